@@ -1,0 +1,136 @@
+"""Plain-PyTorch math of the fused MoE ops: forward and an explicit backward.
+
+This is the CPU implementation of ``torch.ops.moe_fuse.*`` (and the CUDA one
+where no Triton kernel applies), and the reference every kernel is tested
+against. The backward is written out by hand, not taken from autograd, because
+it is the contract the fused backward kernels implement.
+
+Notation: T tokens, k experts per token, S = T*k routed rows, E experts,
+H hidden, I intermediate. ``w_gate_up`` is [E, 2I, H] with the gate rows first,
+``w_down`` is [E, H, I] (transformers 5.x layout).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+# --------------------------------------------------------------------------- router
+
+
+def router_forward(x, weight, top_k: int, renorm: bool, weights_dtype: torch.dtype):
+    """linear -> softmax(fp32) -> top-k -> optional renorm -> cast. Returns (logits, weights, ids)."""
+    logits = F.linear(x, weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    values, ids = torch.topk(probs, top_k, dim=-1)
+    if renorm:
+        values = values / values.sum(dim=-1, keepdim=True)
+    return logits, values.to(weights_dtype), ids
+
+
+def router_backward(d_logits, d_weights, x, weight, logits, ids, renorm: bool):
+    """Gradients of router_forward w.r.t. x and weight, given the gradients of its two float outputs."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    values = probs.gather(-1, ids)
+    d_values = d_weights.float()
+    if renorm:
+        total = values.sum(dim=-1, keepdim=True)
+        w = values / total
+        d_values = (d_values - (d_values * w).sum(dim=-1, keepdim=True)) / total
+    d_probs = torch.zeros_like(probs).scatter_(-1, ids, d_values)
+    d_scores = probs * (d_probs - (d_probs * probs).sum(dim=-1, keepdim=True))
+    d_logits = (d_scores + d_logits.float()).to(logits.dtype)
+    return d_logits @ weight, d_logits.t() @ x
+
+
+# --------------------------------------------------------------------------- experts
+
+
+def expert_order(ids: torch.Tensor, num_experts: int):
+    """Rows (token*k + slot) sorted by expert, stable, and the row count of each expert."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts
+
+
+def _expert_slices(counts: torch.Tensor):
+    # One host sync for the whole layer; the Triton path has none.
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            yield e, slice(start, start + n)
+        start += n
+
+
+def experts_forward(x, ids, weights, w_gate_up, w_down):
+    """y[t] = sum_j weights[t,j] * W_down[e] (silu(W_gate[e] x[t]) * W_up[e] x[t]),  e = ids[t,j].
+
+    Rounds like transformers' grouped_mm path: each GEMM in the weights' dtype,
+    the routing weight applied with type promotion, the sum over k, then a cast to x.dtype.
+    """
+    T, H = x.shape
+    k = ids.shape[1]
+    order, counts = expert_order(ids, w_gate_up.shape[0])
+    xs = x[order // k].to(w_gate_up.dtype)
+    ys = torch.empty(xs.shape[0], w_down.shape[1], dtype=w_down.dtype, device=x.device)
+    for e, rows in _expert_slices(counts):
+        gate, up = (xs[rows] @ w_gate_up[e].t()).chunk(2, dim=-1)
+        ys[rows] = (F.silu(gate) * up) @ w_down[e].t()
+    y_slots = torch.empty_like(ys)
+    y_slots[order] = ys
+    weighted = y_slots * weights.reshape(-1, 1)
+    return weighted.view(T, k, H).sum(dim=1).to(x.dtype)
+
+
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down):
+    """Gradients of experts_forward w.r.t. (x, weights, w_gate_up, w_down), accumulated in fp32.
+
+    Recomputes the expert activations instead of saving them. The sum over the k
+    slots of each token is a fixed-order reduction (no scatter-add), so results
+    are deterministic.
+    """
+    T, H = x.shape
+    k = ids.shape[1]
+    E = w_gate_up.shape[0]
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    order, counts = expert_order(ids, E)
+    token = order // k
+    xs = x[token].to(ct)
+    dys = dy[token].to(ct)
+    ws = weights.reshape(-1)[order].to(ct)
+    wgu = w_gate_up.to(ct)
+    wd = w_down.to(ct)
+
+    dx_rows = torch.zeros_like(xs)
+    dw_rows = torch.zeros(xs.shape[0], dtype=ct, device=x.device)
+    d_wgu = torch.zeros_like(wgu)
+    d_wd = torch.zeros_like(wd)
+    for e, rows in _expert_slices(counts):
+        h = xs[rows] @ wgu[e].t()
+        gate, up = h.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        act = gate * sig
+        a = act * up
+        y = a @ wd[e].t()
+        dw_rows[rows] = (dys[rows] * y).sum(dim=-1)
+        d_y = dys[rows] * ws[rows, None]
+        d_wd[e] = d_y.t() @ a
+        d_a = d_y @ wd[e]
+        d_gate = d_a * up * sig * (1 + gate * (1 - sig))
+        d_up = d_a * act
+        d_h = torch.cat([d_gate, d_up], dim=-1)
+        d_wgu[e] = d_h.t() @ xs[rows]
+        dx_rows[rows] = d_h @ wgu[e]
+
+    dx_slots = torch.empty_like(dx_rows)
+    dx_slots[order] = dx_rows
+    d_weights = torch.empty_like(dw_rows)
+    d_weights[order] = dw_rows
+    return (
+        dx_slots.view(T, k, H).sum(dim=1).to(x.dtype),
+        d_weights.view(T, k).to(weights.dtype),
+        d_wgu.to(w_gate_up.dtype),
+        d_wd.to(w_down.dtype),
+    )
