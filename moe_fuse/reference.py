@@ -48,10 +48,14 @@ def router_backward(d_logits, d_weights, x, weight, logits, ids, renorm: bool):
 
 
 def expert_order(ids: torch.Tensor, num_experts: int):
-    """Rows (token*k + slot) sorted by expert, stable, and the row count of each expert."""
+    """Rows (token*k + slot) sorted by expert, stable, and the row count of each expert.
+
+    Ids >= num_experts are expert-parallel sentinels (experts of another rank):
+    they sort to the tail, are counted nowhere and contribute zero, as in transformers.
+    """
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat.clamp(max=num_experts), minlength=num_experts + 1)[:num_experts]
     return order, counts
 
 
@@ -74,7 +78,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down):
     k = ids.shape[1]
     order, counts = expert_order(ids, w_gate_up.shape[0])
     xs = x[order // k].to(w_gate_up.dtype)
-    ys = torch.empty(xs.shape[0], w_down.shape[1], dtype=w_down.dtype, device=x.device)
+    ys = torch.zeros(xs.shape[0], w_down.shape[1], dtype=w_down.dtype, device=x.device)
     for e, rows in _expert_slices(counts):
         gate, up = (xs[rows] @ w_gate_up[e].t()).chunk(2, dim=-1)
         ys[rows] = (F.silu(gate) * up) @ w_down[e].t()

@@ -1,0 +1,92 @@
+"""find -> describe -> verify -> rewrite, over a Dynamo graph and the HOP bodies inside it.
+
+Each pattern family is one module with ``find(graph)``, returning candidates
+(already described by a spec) and rejections. Candidates are all verified on
+the untouched graph, then rewritten: experts first, because their fused op
+reads the router's outputs, which the router rewrite then redirects.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import is_fake
+
+from . import eager_loop, grouped_mm, router
+from .candidate import Candidate, Rejection
+from .rewrite import rewrite
+from .verify import verify
+
+PATTERN_MODULES = (grouped_mm, router, eager_loop)  # also the rewrite order
+
+
+class RealValues:
+    """Maps a graph input to the real tensor behind it, when there is one.
+
+    Top-level placeholders map to the backend's example inputs; a placeholder
+    of a HOP body (activation checkpointing's ``wrap_body_0``) maps to the
+    argument the HOP passes for it, and so on outwards.
+    """
+
+    def __init__(self, gm: fx.GraphModule, example_inputs):
+        self.real = {}
+        self.alias = {}
+        top = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node, value in zip(top, example_inputs):
+            if isinstance(value, torch.Tensor) and not is_fake(value):
+                self.real[node] = value
+        for owner in gm.modules():
+            if not isinstance(owner, fx.GraphModule):
+                continue
+            for node in owner.graph.nodes:
+                if node.op != "call_function" or not node.args:
+                    continue
+                body = node.args[0]
+                if not (isinstance(body, fx.Node) and body.op == "get_attr"):
+                    continue
+                sub = getattr(owner, body.target, None)
+                if isinstance(sub, fx.GraphModule):
+                    params = [n for n in sub.graph.nodes if n.op == "placeholder"]
+                    for param, outer in zip(params, node.args[1:]):
+                        if isinstance(outer, fx.Node):
+                            self.alias[param] = outer
+
+    def __call__(self, node: fx.Node):
+        seen = set()
+        while node in self.alias and node not in seen:
+            seen.add(node)
+            node = self.alias[node]
+        return self.real.get(node)
+
+
+def graphs_in(gm: fx.GraphModule):
+    """The graph itself, then every nested GraphModule (HOP bodies), with a name."""
+    yield "", gm
+    for name, module in gm.named_modules():
+        if module is not gm and isinstance(module, fx.GraphModule):
+            yield name, module
+
+
+def run_passes(gm: fx.GraphModule, example_inputs, report, verify_matches: bool = True):
+    values = RealValues(gm, example_inputs)
+    for where, module in graphs_in(gm):
+        found = [f for mod in PATTERN_MODULES for f in mod.find(module.graph)]
+        accepted: list[Candidate] = []
+        for item in found:
+            if isinstance(item, Rejection):
+                report.reject(item.pattern, item.reason, where, item.node)
+                continue
+            reason = verify(item, values) if verify_matches else None
+            if reason is not None:
+                report.reject(item.pattern, reason, where, item.anchor)
+            else:
+                accepted.append(item)
+        changed = False
+        for cand in accepted:
+            removed = rewrite(cand)
+            report.match(cand, where, removed, verified=verify_matches)
+            changed = True
+        if changed:
+            module.graph.lint()
+            module.recompile()
+    return gm

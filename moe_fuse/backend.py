@@ -1,0 +1,78 @@
+"""The ``moe_fuse`` torch.compile backend.
+
+    torch.compile(model, backend="moe_fuse", options={"moe_fuse.debug_dir": "dumps"})
+
+Runs the passes (find, describe, verify, rewrite) on the Dynamo graph,
+reports what happened, then compiles the rewritten graph with the inner
+backend. Registered through the ``torch_dynamo_backends`` entry point.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import debug
+from .passes import run_passes
+
+INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+OPTION_DOCS = {
+    "moe_fuse.inner": f"what compiles the rewritten graph: one of {', '.join(INNER_BACKENDS)} (default inductor)",
+    "moe_fuse.debug_dir": "folder for the dumps (default: $MOE_FUSE_DEBUG_DIR, else none)",
+    "moe_fuse.verify": "prove each match on random probes before rewriting it (default True)",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    inner: str = "inductor"
+    debug_dir: str | None = None
+    verify: bool = True
+
+
+def parse_options(options: dict | None) -> tuple[Options, dict]:
+    """Split ``options`` into moe_fuse's own (checked) and the rest, for Inductor."""
+    rest = dict(options or {})
+    ours = {key: rest.pop(key) for key in list(rest) if key.startswith("moe_fuse.")}
+    unknown = sorted(set(ours) - set(OPTION_DOCS))
+    if unknown:
+        valid = "\n".join(f"  {k}: {doc}" for k, doc in OPTION_DOCS.items())
+        raise ValueError(f"unknown moe_fuse option(s) {unknown}; valid options are:\n{valid}")
+    inner = ours.get("moe_fuse.inner", "inductor")
+    if inner not in INNER_BACKENDS:
+        raise ValueError(f"moe_fuse.inner={inner!r}; expected one of {INNER_BACKENDS}")
+    verify = ours.get("moe_fuse.verify", True)
+    if not isinstance(verify, bool):
+        raise ValueError(f"moe_fuse.verify={verify!r}; expected True or False")
+    debug_dir = ours.get("moe_fuse.debug_dir", os.environ.get("MOE_FUSE_DEBUG_DIR") or None)
+    if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
+        raise ValueError(f"moe_fuse.debug_dir={debug_dir!r}; expected a folder path")
+    if rest and inner != "inductor":
+        raise ValueError(f"options {sorted(rest)} are for Inductor, but moe_fuse.inner={inner!r}")
+    return Options(inner, os.fspath(debug_dir) if debug_dir else None, verify), rest
+
+
+def inner_compile(gm, example_inputs, opts: Options, mode: str | None, inductor_options: dict):
+    if opts.inner == "eager":
+        return gm.forward
+    if opts.inner == "aot_eager":
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    config = {**(list_mode_options(mode) if mode else {}), **inductor_options}
+    return compile_fx(model_=gm, example_inputs_=example_inputs, config_patches=config or None)
+
+
+def moe_fuse_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):
+    opts, inductor_options = parse_options(options)
+    report = debug.new_report()
+    before = debug.graph_code(gm)
+    run_passes(gm, example_inputs, report, verify_matches=opts.verify)
+    after = debug.graph_code(gm)
+    debug.emit(report, before, after, opts.debug_dir)
+    return inner_compile(gm, example_inputs, opts, mode, inductor_options)

@@ -1,0 +1,161 @@
+"""What the backend did, shown three ways: a debug folder, logging, tlparse.
+
+Per compiled graph the debug folder gets ``before.py`` and ``after.py``
+(readable graph code), ``report.json`` and ``summary.txt``.
+``TORCH_LOGS="+moe_fuse"`` logs the summary (INFO) and the graphs (DEBUG);
+``trace_structured`` artifacts put the same into tlparse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .passes.graph import describe_node
+
+log = logging.getLogger("moe_fuse")
+
+_graph_ids = itertools.count()
+_sinks: list[list] = []  # explain() collects reports here
+_warned: set[str] = set()
+
+
+@dataclass
+class GraphReport:
+    graph: str
+    compile_id: str = ""
+    matches: list[dict] = field(default_factory=list)
+    rejected: list[dict] = field(default_factory=list)
+
+    def match(self, cand, where: str, nodes_replaced: int, verified: bool):
+        self.matches.append(
+            {
+                "pattern": cand.pattern,
+                **cand.spec.to_json(),
+                "verified": verified,
+                "nodes_replaced": nodes_replaced,
+                "where": _where(where, cand.anchor),
+            }
+        )
+
+    def reject(self, pattern: str, reason: str, where: str, node=None):
+        self.rejected.append({"pattern": pattern, "reason": reason, "where": _where(where, node)})
+        if pattern == "eager_experts_loop" and pattern not in _warned:
+            _warned.add(pattern)
+            warnings.warn(f"moe_fuse: {reason}", stacklevel=2)
+
+    def to_json(self) -> dict:
+        return {"graph": self.graph, "compile_id": self.compile_id, "matches": self.matches, "rejected": self.rejected}
+
+    def summary(self) -> str:
+        lines = [f"moe_fuse {self.graph} (compile {self.compile_id}): "
+                 f"{len(self.matches)} rewrite(s), {len(self.rejected)} left alone"]
+        for m in self.matches:
+            shape = f"E={m['num_experts']} k={m['top_k']} H={m['hidden']}"
+            if "intermediate" in m:
+                shape += f" I={m['intermediate']}"
+            lines.append(f"  fused    {m['pattern']:<22} {shape} {m['dtype']:<8} "
+                         f"verified={m['verified']} nodes={m['nodes_replaced']} at {m['where']}")
+        for r in self.rejected:
+            lines.append(f"  unfused  {r['pattern']:<22} at {r['where']}: {r['reason']}")
+        return "\n".join(lines)
+
+
+def _where(subgraph: str, node) -> str:
+    return f"{subgraph + ':' if subgraph else ''}{describe_node(node)}"
+
+
+def new_report() -> GraphReport:
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return GraphReport(graph=f"graph_{next(_graph_ids):03d}", compile_id=str(compile_id or ""))
+
+
+def graph_code(gm: torch.fx.GraphModule) -> str:
+    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+
+
+def emit(report: GraphReport, before: str, after: str, debug_dir: str | None):
+    summary = report.summary()
+    log.info("%s", summary)
+    log.debug("moe_fuse %s before:\n%s", report.graph, before)
+    log.debug("moe_fuse %s after:\n%s", report.graph, after)
+    payload = json.dumps(report.to_json(), indent=2)
+    torch._logging.trace_structured(
+        "artifact", metadata_fn=lambda: {"name": "moe_fuse_report", "encoding": "json"}, payload_fn=lambda: payload
+    )
+    for name, code in (("moe_fuse_graph_before", before), ("moe_fuse_graph_after", after)):
+        torch._logging.trace_structured(
+            "artifact", metadata_fn=lambda name=name: {"name": name, "encoding": "string"}, payload_fn=lambda c=code: c
+        )
+    if debug_dir:
+        folder = os.path.join(debug_dir, report.graph)
+        os.makedirs(folder, exist_ok=True)
+        for name, text in (("before.py", before), ("after.py", after), ("report.json", payload),
+                           ("summary.txt", summary + "\n")):
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(text)
+        with open(os.path.join(debug_dir, "summary.txt"), "a") as f:
+            f.write(summary + "\n")
+    for sink in _sinks:
+        sink.append(report)
+
+
+# --------------------------------------------------------------------------- explain
+
+
+@dataclass
+class Explanation:
+    """Reports of every graph moe_fuse compiled while explaining; printable."""
+
+    graphs: list[GraphReport]
+
+    @property
+    def matches(self) -> list[dict]:
+        return [m for g in self.graphs for m in g.matches]
+
+    @property
+    def rejected(self) -> list[dict]:
+        return [r for g in self.graphs for r in g.rejected]
+
+    def to_json(self) -> dict:
+        return {"graphs": [g.to_json() for g in self.graphs]}
+
+    def __str__(self) -> str:
+        head = (f"moe_fuse explain: {len(self.graphs)} graph(s), {len(self.matches)} rewrite(s), "
+                f"{len(self.rejected)} region(s) left alone")
+        return "\n".join([head] + [g.summary() for g in self.graphs])
+
+
+@contextlib.contextmanager
+def collect_reports():
+    sink: list[GraphReport] = []
+    _sinks.append(sink)
+    try:
+        yield sink
+    finally:
+        _sinks.remove(sink)
+
+
+def explain(model, *args, options: dict | None = None, **kwargs) -> Explanation:
+    """Compile ``model`` with moe_fuse, run it once on the given inputs, return what was rewritten.
+
+    Like ``torch._dynamo.explain`` it resets Dynamo first, so every graph is
+    compiled afresh. The rewritten graphs run eagerly (``moe_fuse.inner="eager"``)
+    unless ``options`` says otherwise.
+    """
+    from .backend import moe_fuse_backend
+
+    torch._dynamo.reset()
+    opts = {"moe_fuse.inner": "eager", **(options or {})}
+    compiled = torch.compile(model, backend=lambda gm, ex: moe_fuse_backend(gm, ex, options=opts))
+    with collect_reports() as sink:
+        compiled(*args, **kwargs)
+    torch._dynamo.reset()
+    return Explanation(list(sink))

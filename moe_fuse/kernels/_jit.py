@@ -1,0 +1,44 @@
+"""Launch-time choice between the Triton compiler and the Triton interpreter.
+
+``@triton.jit`` decides at decoration time (module import) whether a kernel is
+compiled or interpreted, from ``TRITON_INTERPRET``. A test that sets the
+variable after some other module imported this package would then get
+compiled kernels on CPU tensors. ``lazy_jit`` defers that decision to the
+first launch under each setting, so the flag is read at call time.
+
+Kernels wrapped this way must not call other ``@triton.jit`` helpers: a helper
+would be fixed at import time and could disagree with its caller. Each kernel
+here is therefore self-contained.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the interpreter (read now, not at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+class lazy_jit:
+    """``kernel[grid](...)`` like a ``triton.jit`` function, jitted on first use per interpreter setting."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+        self._by_mode = {}
+
+    def _get(self):
+        mode = interpreting()
+        kernel = self._by_mode.get(mode)
+        if kernel is None:
+            # triton.jit reads TRITON_INTERPRET from os.environ right now.
+            kernel = self._by_mode[mode] = triton.jit(self.fn)
+        return kernel
+
+    def __getitem__(self, grid):
+        return self._get()[grid]

@@ -1,0 +1,360 @@
+"""The two grouped GEMMs of the experts block, over rows sorted by expert.
+
+``gate_up``:  a[p] = silu(x[tok(p)] @ W_gate[e]^T) * (x[tok(p)] @ W_up[e]^T)      [S, I]
+``down``:     out[row(p)] = weight[row(p)] * (a[p] @ W_down[e]^T)                 [S, H]
+
+p is a sorted position (routing.Routing.order[p] = row = token * k + slot) and
+e the expert that owns p. Both kernels launch one program per (M-tile, N-tile),
+where every M-tile holds rows of a single expert. The grid is sized with the
+upper bound ceil(S / BLOCK_M) + E M-tiles (each expert wastes at most one
+partial tile), so no host sync is needed to read the per-expert counts; the
+programs past the real tile count exit at once. Each program finds its expert
+from ``counts`` itself (a prefix sum over E values, negligible next to the
+tile's K loop), so each GEMM can use its own BLOCK_M.
+
+Accumulation is fp32. The operands are the weights' dtype (x is cast to it, as
+in the reference). Under the Triton interpreter, ``tl.dot`` on bf16 operands is
+wrong in triton 3.6, so the operands are upcast to fp32 there (``INTERPRET``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._jit import interpreting, lazy_jit
+from .routing import Routing
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1  # M-tiles walked together over all N-tiles (L2 reuse of the A rows and weight tiles)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Small blocks keep the interpreter fast; the numbers are not a performance choice.
+INTERPRETER_CONFIG = GemmConfig(16, 32, 32, 1, 4, 1)
+
+
+@lazy_jit
+def _gate_up_kernel(
+    x_ptr,  # [T, H]
+    order_ptr,  # [S] int32, sorted position -> row
+    counts_ptr,  # [E] int32
+    w_ptr,  # [E, 2I, H]
+    a_ptr,  # [S, I] out, sorted order, weights' dtype
+    h_ptr,  # [S, 2I] out (only when SAVE_H): pre-activation gate | up
+    H,
+    I,
+    E,
+    num_m_tiles,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wn,
+    stride_wh,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_P2: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SAVE_H: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # ---- program -> (M-tile, N-tile), GROUP_M M-tiles at a time for L2 reuse
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(I, BLOCK_N)
+    per_group = GROUP_M * num_n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    # ---- M-tile -> expert (same code in _down_kernel; lazy_jit kernels cannot share helpers)
+    bins = tl.arange(0, E_P2)
+    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    if pid_m >= tl.sum(tiles, axis=0):
+        return
+    before = tl.cumsum(tiles, axis=0) <= pid_m  # experts whose tiles all come before pid_m
+    expert = tl.sum(before.to(tl.int32), axis=0)
+    tile_in_expert = pid_m - tl.sum(tl.where(before, tiles, 0), axis=0)
+    row_begin = tl.sum(tl.where(before, counts, 0), axis=0)
+    row_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
+
+    m = tile_in_expert * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = m < row_count
+    pos = row_begin + m  # sorted positions of this tile
+    src = tl.load(order_ptr + pos, mask=row_valid, other=0)
+    token = src // TOP_K  # rows past the expert's end read token 0: valid memory, never stored
+
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_load = tl.minimum(n, I - 1)  # clamp instead of mask: the extra columns are never stored
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xt + kk[None, :] * stride_xh
+    w_e = w_ptr + expert.to(tl.int64) * stride_we
+    g_ptrs = w_e + n_load[None, :] * stride_wn + kk[:, None] * stride_wh  # [BLOCK_K, BLOCK_N] = W_gate^T tile
+    up_offset = I * stride_wn
+
+    w_dtype = w_ptr.dtype.element_ty
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            bg = tl.load(g_ptrs)
+            bu = tl.load(g_ptrs + up_offset)
+        else:
+            k_ok = (k0 + kk) < H
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            bu = tl.load(g_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
+        a = a.to(w_dtype)  # the reference casts x to the weights' dtype
+        if INTERPRET:
+            a = a.to(tl.float32)
+            bg = bg.to(tl.float32)
+            bu = bu.to(tl.float32)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+
+    # ---- epilogue: SwiGLU in fp32, one rounding to the weights' dtype
+    out_mask = row_valid[:, None] & (n < I)[None, :]
+    pos64 = pos.to(tl.int64)[:, None]
+    if SAVE_H:
+        h_ptrs = h_ptr + pos64 * (2 * I) + n[None, :]
+        tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(h_ptrs + I, acc_u.to(h_ptr.dtype.element_ty), mask=out_mask)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(a_ptr + pos64 * I + n[None, :], act.to(a_ptr.dtype.element_ty), mask=out_mask)
+
+
+@lazy_jit
+def _down_kernel(
+    a_ptr,  # [S, I] sorted order
+    order_ptr,  # [S] int32
+    counts_ptr,  # [E] int32
+    w_ptr,  # [E, H, I]
+    rw_ptr,  # [S] routing weights, by row
+    out_ptr,  # [S, H] out, by row (= [T, k, H])
+    H,
+    I,
+    E,
+    num_m_tiles,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_P2: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(H, BLOCK_N)
+    per_group = GROUP_M * num_n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    # ---- M-tile -> expert (as in _gate_up_kernel)
+    bins = tl.arange(0, E_P2)
+    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    if pid_m >= tl.sum(tiles, axis=0):
+        return
+    before = tl.cumsum(tiles, axis=0) <= pid_m
+    expert = tl.sum(before.to(tl.int32), axis=0)
+    tile_in_expert = pid_m - tl.sum(tl.where(before, tiles, 0), axis=0)
+    row_begin = tl.sum(tl.where(before, counts, 0), axis=0)
+    row_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
+
+    m = tile_in_expert * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = m < row_count
+    pos = row_begin + tl.where(row_valid, m, 0)  # invalid rows re-read the expert's first row
+    src = tl.load(order_ptr + pos)
+
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_load = tl.minimum(n, H - 1)
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + pos.to(tl.int64)[:, None] * I + kk[None, :]
+    b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + n_load[None, :] * stride_wn + kk[:, None] * stride_wk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = (k0 + kk) < I
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wk
+
+    # ---- epilogue: routing weight, then the row goes back to its (token, slot) place
+    rw = tl.load(rw_ptr + src, mask=row_valid, other=0.0).to(tl.float32)
+    out = acc * rw[:, None]
+    out_mask = row_valid[:, None] & (n < H)[None, :]
+    tl.store(out_ptr + src.to(tl.int64)[:, None] * H + n[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 weights: follow torch's matmul setting, so the kernel rounds like the reference would.
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def default_config(kind: str, S: int, E: int, N: int, K: int, dtype: torch.dtype) -> GemmConfig:
+    """Block shapes for one GEMM ("gate_up" or "down") from the average rows per expert.
+
+    Chosen on an H200 (bench/check_kernels_gpu.py sweeps these). Depends only on
+    a bucket of S / E, never on the exact token count, so shapes do not recompile
+    for every batch.
+    """
+    if interpreting():
+        return INTERPRETER_CONFIG
+    rows = S / max(E, 1)
+    wide = dtype != torch.float32  # fp32 operands take twice the shared memory per stage
+    if rows <= 16:
+        # Decode-like: a few rows per expert; streaming the weights is the cost.
+        return GemmConfig(16, 64, 128 if wide else 64, 1, 4, 4)
+    if rows <= 48:
+        return GemmConfig(32, 64, 128 if wide else 64, 1, 4, 4)
+    if rows <= 160:
+        return GemmConfig(64, 128, 64 if wide else 32, 1, 4, 4)
+    if kind == "gate_up":
+        # Two accumulators (gate and up) of BLOCK_M x BLOCK_N: effectively a 128 x 256 tile.
+        return GemmConfig(128, 128, 64 if wide else 32, 8, 8, 3)
+    return GemmConfig(128, 256, 64 if wide else 32, 8, 8, 3)
+
+
+def _m_tiles_bound(S: int, E: int, block_m: int) -> int:
+    # sum_e ceil(c_e / BM) <= S / BM + (number of non-empty experts); and a tile holds at least one row.
+    return min(triton.cdiv(S, block_m) + E, S)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def gate_up(
+    x: torch.Tensor,
+    routing: Routing,
+    w_gate_up: torch.Tensor,
+    top_k: int,
+    *,
+    save_h: bool = False,
+    config: GemmConfig | None = None,
+):
+    """a [S, I] (sorted order, weights' dtype) and, if ``save_h``, h [S, 2I] = the pre-activation gate | up."""
+    E, two_i, H = w_gate_up.shape
+    I = two_i // 2
+    S = routing.order.numel()
+    a = torch.empty(S, I, dtype=w_gate_up.dtype, device=x.device)
+    h = torch.empty(S, two_i, dtype=w_gate_up.dtype, device=x.device) if save_h else None
+    if S == 0:
+        return a, h
+    cfg = config or default_config("gate_up", S, E, I, H, w_gate_up.dtype)
+    num_m = _m_tiles_bound(S, E, cfg.block_m)
+    grid = (num_m * triton.cdiv(I, cfg.block_n),)
+    _gate_up_kernel[grid](
+        x,
+        routing.order,
+        routing.counts,
+        w_gate_up,
+        a,
+        h if save_h else a,
+        H,
+        I,
+        E,
+        num_m,
+        x.stride(0),
+        x.stride(1),
+        w_gate_up.stride(0),
+        w_gate_up.stride(1),
+        w_gate_up.stride(2),
+        TOP_K=top_k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        E_P2=triton.next_power_of_2(E),
+        EVEN_K=H % cfg.block_k == 0,
+        SAVE_H=save_h,
+        INTERPRET=interpreting(),
+        DOT_PRECISION=_dot_precision(w_gate_up.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return a, h
+
+
+def down(
+    a: torch.Tensor,
+    routing: Routing,
+    weights: torch.Tensor,
+    w_down: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """[S, H] by row (token * k + slot): weights[row] * (a[p] @ W_down[e]^T), in ``out_dtype``."""
+    E, H, I = w_down.shape
+    S = routing.order.numel()
+    out = torch.empty(S, H, dtype=out_dtype, device=a.device)
+    if S == 0:
+        return out
+    a = a.contiguous()
+    rw = weights.reshape(-1).contiguous()
+    cfg = config or default_config("down", S, E, H, I, w_down.dtype)
+    num_m = _m_tiles_bound(S, E, cfg.block_m)
+    grid = (num_m * triton.cdiv(H, cfg.block_n),)
+    _down_kernel[grid](
+        a,
+        routing.order,
+        routing.counts,
+        w_down,
+        rw,
+        out,
+        H,
+        I,
+        E,
+        num_m,
+        w_down.stride(0),
+        w_down.stride(1),
+        w_down.stride(2),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        E_P2=triton.next_power_of_2(E),
+        EVEN_K=I % cfg.block_k == 0,
+        INTERPRET=interpreting(),
+        DOT_PRECISION=_dot_precision(w_down.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,137 @@
+"""Routing metadata on the device: a stable counting sort of the S = T*k routed rows by expert.
+
+Three small launches, no host sync, no atomics (so the permutation is the same
+on every run):
+
+1. ``_count_kernel``: each block of ``ROUTE_BLOCK`` rows counts its rows per expert.
+2. ``_scan_kernel``: one program per expert turns its column of block counts
+   into exclusive prefixes (where the block's rows of that expert start
+   inside the expert's segment) and the expert's total.
+3. ``_scatter_kernel``: each row's sorted position is
+   expert_start[e] + block_prefix[e, block] + (rows of e before it in its block),
+   which keeps equal experts in their original order (stable, like
+   ``torch.argsort(stable=True)``).
+
+The tile schedule of the grouped GEMMs is derived from ``counts`` inside the
+GEMM kernels themselves (see grouped_gemm.py), so it can follow each GEMM's own
+BLOCK_M.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._jit import lazy_jit
+
+ROUTE_BLOCK = 128  # rows per counting block; the in-block rank is a ROUTE_BLOCK^2 comparison
+SCAN_CHUNK = 1024
+
+
+class Routing(NamedTuple):
+    """Rows grouped by expert. Row r = token * k + slot (the flattened [T, k] index)."""
+
+    order: torch.Tensor  # [S] int32: sorted position -> row, stable within each expert
+    counts: torch.Tensor  # [E] int32: rows routed to each expert
+    offsets: torch.Tensor  # [E + 1] int32: first sorted position of each expert, then S
+
+
+@lazy_jit
+def _count_kernel(
+    ids_ptr,
+    block_counts_ptr,  # [E, num_blocks] int32
+    S,
+    E,
+    num_blocks,
+    BLOCK: tl.constexpr,
+    E_P2: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.load(ids_ptr + rows, mask=rows < S, other=-1).to(tl.int32)
+    bins = tl.arange(0, E_P2)
+    # One-hot compare and sum: [BLOCK, E_P2] is small, and portable to the interpreter.
+    hits = (expert[:, None] == bins[None, :]).to(tl.int32)
+    counts = tl.sum(hits, axis=0)
+    tl.store(block_counts_ptr + bins * num_blocks + pid, counts, mask=bins < E)
+
+
+@lazy_jit
+def _scan_kernel(
+    block_counts_ptr,  # [E, num_blocks] int32, replaced by exclusive prefixes along blocks
+    counts_ptr,  # [E] int32
+    num_blocks,
+    CHUNK: tl.constexpr,
+):
+    e = tl.program_id(0)
+    row = block_counts_ptr + e.to(tl.int64) * num_blocks
+    total = tl.zeros((), dtype=tl.int32)
+    for start in range(0, num_blocks, CHUNK):
+        idx = start + tl.arange(0, CHUNK)
+        mask = idx < num_blocks
+        c = tl.load(row + idx, mask=mask, other=0)
+        tl.store(row + idx, tl.cumsum(c, axis=0) - c + total, mask=mask)
+        total += tl.sum(c, axis=0)
+    tl.store(counts_ptr + e, total)
+
+
+@lazy_jit
+def _scatter_kernel(
+    ids_ptr,
+    block_prefix_ptr,  # [E, num_blocks] int32 from _scan_kernel
+    counts_ptr,
+    order_ptr,  # [S] int32 out
+    offsets_ptr,  # [E + 1] int32 out
+    S,
+    E,
+    num_blocks,
+    BLOCK: tl.constexpr,
+    E_P2: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    lane = tl.arange(0, BLOCK)
+    rows = pid * BLOCK + lane
+    valid = rows < S
+    expert = tl.load(ids_ptr + rows, mask=valid, other=-1).to(tl.int32)
+
+    bins = tl.arange(0, E_P2)
+    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+    expert_start = tl.cumsum(counts, axis=0) - counts  # [E_P2], exclusive
+    if pid == 0:
+        tl.store(offsets_ptr + bins, expert_start, mask=bins < E)
+        tl.store(offsets_ptr + E, tl.sum(counts, axis=0))
+
+    # expert_start[expert] per row, without a register gather: sum of counts of smaller experts.
+    start_of_row = tl.sum(tl.where(bins[None, :] < expert[:, None], counts[None, :], 0), axis=1)
+    # Stable rank inside the block: earlier rows (j < i) with the same expert.
+    earlier = (expert[None, :] == expert[:, None]) & (lane[None, :] < lane[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    prefix = tl.load(block_prefix_ptr + expert.to(tl.int64) * num_blocks + pid, mask=valid, other=0)
+    tl.store(order_ptr + start_of_row + prefix + rank, rows, mask=valid)
+
+
+def route(ids: torch.Tensor, num_experts: int) -> Routing:
+    """Group the rows of ``ids`` [T, k] by expert. Same ``order`` as ``reference.expert_order``."""
+    flat = ids.reshape(-1).contiguous()
+    S = flat.numel()
+    E = int(num_experts)
+    dev = flat.device
+    num_blocks = triton.cdiv(S, ROUTE_BLOCK)
+    E_P2 = triton.next_power_of_2(E)
+    order = torch.empty(S, dtype=torch.int32, device=dev)
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    if S == 0:
+        counts.zero_()
+        offsets.zero_()
+        return Routing(order, counts, offsets)
+    block_counts = torch.empty(E, num_blocks, dtype=torch.int32, device=dev)
+    _count_kernel[(num_blocks,)](flat, block_counts, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2)
+    _scan_kernel[(E,)](block_counts, counts, num_blocks, CHUNK=min(SCAN_CHUNK, triton.next_power_of_2(num_blocks)))
+    _scatter_kernel[(num_blocks,)](
+        flat, block_counts, counts, order, offsets, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2
+    )
+    return Routing(order, counts, offsets)

@@ -1,0 +1,295 @@
+"""FX helpers shared by the pattern modules: op names, arguments, regions.
+
+Dynamo graphs spell one operation many ways (``x.sum(...)``, ``torch.sum(x,
+...)``, ``torch._C._nn.linear`` vs ``F.linear``). ``op_name`` maps each
+spelling to one short name so the pattern modules read like the model code.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+
+class NoMatch(Exception):
+    """A candidate is not the pattern. ``node`` is where the walk stopped."""
+
+    def __init__(self, reason: str, node: fx.Node | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.node = node
+
+
+def _function_names():
+    names = {
+        torch._C._nn.linear: "linear",
+        F.linear: "linear",
+        F.softmax: "softmax",
+        torch.softmax: "softmax",
+        torch.topk: "topk",
+        torch.sort: "sort",
+        torch.histc: "histc",
+        torch.cumsum: "cumsum",
+        F.silu: "silu",
+        torch.empty_like: "empty_like",
+        torch.arange: "arange",
+        torch.reshape: "reshape",
+        torch.transpose: "transpose",
+        torch.chunk: "chunk",
+        torch.sum: "sum",
+        torch.unsqueeze: "unsqueeze",
+        torch.mul: "mul",
+        torch.div: "truediv",
+        torch.clamp: "clamp",
+        torch.masked_fill: "masked_fill",
+        operator.getitem: "getitem",
+        operator.setitem: "setitem",
+        operator.mul: "mul",
+        operator.truediv: "truediv",
+        operator.itruediv: "itruediv",
+        operator.floordiv: "floordiv",
+        operator.ge: "ge",
+        torch.ge: "ge",
+        torch._grouped_mm: "grouped_mm",
+        torch.nonzero: "nonzero",
+        torch.where: "where",
+        torch._C._nn.one_hot: "one_hot",
+        F.one_hot: "one_hot",
+    }
+    if hasattr(F, "grouped_mm"):
+        names[F.grouped_mm] = "grouped_mm"
+    return names
+
+
+_FUNCTION_NAMES = _function_names()
+
+
+def _is_transformers_fallback(target) -> bool:
+    # torch.ops.transformers.grouped_mm_fallback (packet or overload): registered
+    # by transformers only when it is imported, so matched by name.
+    name = getattr(target, "_qualified_op_name", None) or getattr(target, "name", lambda: "")()
+    return isinstance(name, str) and name.startswith("transformers::grouped_mm_fallback") and "backward" not in name
+
+
+def op_name(node) -> str | None:
+    """A short, spelling-independent name of what ``node`` computes, or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method":
+        return node.target
+    if node.op != "call_function":
+        return None
+    target = node.target
+    try:
+        name = _FUNCTION_NAMES.get(target)
+    except TypeError:  # unhashable target
+        name = None
+    if name:
+        return name
+    if isinstance(target, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)) and _is_transformers_fallback(target):
+        return "grouped_mm"
+    return None
+
+
+def is_op(node, *names) -> bool:
+    return op_name(node) in names
+
+
+def arg(node: fx.Node, index: int, name: str, default=None):
+    """Argument ``index`` (positional, counting self for methods) or keyword ``name``."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def expect(node, *names) -> fx.Node:
+    if not is_op(node, *names):
+        got = op_name(node) or (node.target if isinstance(node, fx.Node) else repr(node))
+        where = node if isinstance(node, fx.Node) else None
+        raise NoMatch(f"expected {' or '.join(names)}, found {got}", where)
+    return node
+
+
+def expect_literal(value, wanted, what: str, node: fx.Node):
+    if value != wanted:
+        raise NoMatch(f"{what} is {value!r}, expected {wanted!r}", node)
+
+
+def only_user(node: fx.Node, *names) -> fx.Node:
+    users = list(node.users)
+    if len(users) != 1:
+        raise NoMatch(f"{node.name} has {len(users)} users, expected one", node)
+    return expect(users[0], *names)
+
+
+def getitem_user(node: fx.Node, index: int) -> fx.Node:
+    """The ``node[index]`` user of a tuple-valued node."""
+    for user in node.users:
+        if is_op(user, "getitem") and user.args[1] == index:
+            return user
+    raise NoMatch(f"{node.name}[{index}] is never read", node)
+
+
+def meta_value(node):
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+def shape_of(node) -> tuple:
+    value = meta_value(node)
+    if not isinstance(value, torch.Tensor):
+        raise NoMatch(f"{getattr(node, 'name', node)} has no tensor metadata", node if isinstance(node, fx.Node) else None)
+    return tuple(value.shape)
+
+
+def dtype_of(node) -> torch.dtype:
+    value = meta_value(node)
+    if not isinstance(value, torch.Tensor):
+        raise NoMatch(f"{getattr(node, 'name', node)} has no tensor metadata", node if isinstance(node, fx.Node) else None)
+    return value.dtype
+
+
+def same_size(a, b) -> bool:
+    """Equal sizes, symbolic ones included (compared as expressions, not guarded)."""
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return str(a) == str(b)
+    return a == b
+
+
+def concrete(size) -> int:
+    """A concrete integer for a size: the hint of a symbolic one."""
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint)
+    return int(size)
+
+
+# --------------------------------------------------------------------------- regions
+
+# Ops that write into their first argument: a region that holds the written
+# tensor must hold the write too (``inv[perm] = arange``, ``ids.clamp_()``).
+_MUTATING = {"setitem", "itruediv", "clamp_", "masked_fill_", "copy_", "mul_", "div_", "add_", "fill_", "zero_"}
+
+
+def is_mutation(node: fx.Node) -> bool:
+    name = op_name(node)
+    return name in _MUTATING or (node.op == "call_method" and isinstance(node.target, str) and node.target.endswith("_"))
+
+
+@dataclass
+class Region:
+    """The nodes that compute ``outputs`` from ``inputs`` (in graph order)."""
+
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    nodes: list[fx.Node]
+    # Values the region reads that are not tensors (symbolic sizes): free inputs.
+    free: list[fx.Node] = field(default_factory=list)
+
+
+def _is_size_value(node: fx.Node) -> bool:
+    value = meta_value(node)
+    return isinstance(value, (int, torch.SymInt)) or (
+        isinstance(value, (tuple, list)) and all(isinstance(v, (int, torch.SymInt)) for v in value)
+    )
+
+
+def collect_region(inputs: list[fx.Node], outputs: list[fx.Node]) -> Region:
+    """All nodes between ``inputs`` and ``outputs``, and the in-place writes into them.
+
+    Raises NoMatch when the outputs depend on a tensor that is not an input.
+    """
+    inside: set[fx.Node] = set()
+    free: set[fx.Node] = set()
+    stop = set(inputs)
+
+    def visit(start: fx.Node):
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            if node in inside or node in stop or node in free:
+                continue
+            if node.op in ("placeholder", "get_attr"):
+                if _is_size_value(node):
+                    free.add(node)
+                    continue
+                raise NoMatch(f"the block also reads {node.name}, which is not one of its inputs", node)
+            if node.op != "call_function" and node.op != "call_method":
+                raise NoMatch(f"unexpected {node.op} node {node.name} inside the block", node)
+            if _is_size_value(node) and not any(a in stop for a in node.all_input_nodes):
+                free.add(node)
+                continue
+            inside.add(node)
+            stack.extend(node.all_input_nodes)
+
+    for out in outputs:
+        visit(out)
+    # Pull in writes into region tensors until nothing changes.
+    changed = True
+    while changed:
+        changed = False
+        for node in list(inside) + list(stop):
+            for user in node.users:
+                if user not in inside and is_mutation(user) and user.args and user.args[0] is node:
+                    if node in stop:
+                        raise NoMatch(f"{user.name} writes into the block input {node.name}", user)
+                    inside.add(user)
+                    for dep in user.all_input_nodes:
+                        visit(dep)
+                    changed = True
+    order = {n: i for i, n in enumerate(outputs[0].graph.nodes)}
+    return Region(
+        inputs=list(inputs),
+        outputs=list(outputs),
+        nodes=sorted(inside, key=order.__getitem__),
+        free=sorted(free, key=order.__getitem__),
+    )
+
+
+def region_graph_module(region: Region) -> fx.GraphModule:
+    """A standalone GraphModule computing the region: (inputs..., free...) -> outputs."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in region.inputs + region.free:
+        env[node] = graph.placeholder(node.name)
+    for node in region.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    outs = tuple(env[n] for n in region.outputs)
+    graph.output(outs)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def remove_region(region: Region):
+    """Erase the region's nodes that nothing outside it needs any more.
+
+    A node with users outside the region stays, and so do the nodes it needs
+    and the writes into them: values used elsewhere are never lost.
+    """
+    inside = set(region.nodes)
+    live: set[fx.Node] = set()
+    stack = [n for n in region.nodes if any(u not in inside for u in n.users)]
+    while stack:
+        node = stack.pop()
+        if node in live:
+            continue
+        live.add(node)
+        stack.extend(a for a in node.all_input_nodes if a in inside)
+        stack.extend(u for u in node.users if u in inside and is_mutation(u) and u.args[0] is node)
+    removed = 0
+    for node in reversed(region.nodes):
+        if node not in live:
+            node.graph.erase_node(node)
+            removed += 1
+    return removed
+
+
+def describe_node(node: fx.Node | None) -> str:
+    if node is None:
+        return ""
+    stack = node.meta.get("nn_module_stack")
+    module = ""
+    if stack:
+        module = list(stack.values())[-1][0]
+    return f"{node.name} ({module})" if module else node.name

@@ -1,0 +1,208 @@
+"""transformers' ``grouped_mm`` experts (5.x), in all its spellings:
+
+    ids, perm = sort(top_k_index.reshape(-1))
+    xs = x[perm // k]                                   # gather rows, grouped by expert
+    offs = cumsum(histc(ids, bins=E, min=0, max=E-1), dtype=int32)
+    [mask = (ids >= E)[:, None]; ids.clamp_(max=E-1); xs.masked_fill_(mask, 0)]   # EP sentinels (5.17)
+    h = grouped_mm(xs, W_gate_up.transpose(-2, -1), offs)   # _grouped_mm, F.grouped_mm or
+    [h = h.masked_fill(mask, 0)]                             # transformers::grouped_mm_fallback
+    gate, up = h.chunk(2, dim=-1)
+    ys = grouped_mm(silu(gate) * up, W_down.transpose(-2, -1), offs)
+    [ys = ys.masked_fill(mask, 0)]
+    out = ys * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    inv = empty_like(perm); inv[perm] = arange(S)
+    y = out[inv].view(T, k, H).sum(dim=1).to(x.dtype)
+
+Anchored on the first grouped GEMM. The walk reads every literal (k, E, the
+chunk, the view) from the graph and checks it against the tensor shapes; the
+verifier then proves the match on random probes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
+from ..spec import ExpertsSpec
+from .candidate import Candidate, Rejection
+from .graph import (
+    NoMatch,
+    arg,
+    collect_region,
+    dtype_of,
+    expect,
+    expect_literal,
+    getitem_user,
+    is_op,
+    only_user,
+    same_size,
+    shape_of,
+)
+
+PATTERN = "grouped_mm_experts"
+
+
+def _skip_casts(node):
+    while is_op(node, "to", "float", "int", "contiguous"):
+        node = node.args[0]
+    return node
+
+
+def _expert_weight(w_t: fx.Node, what: str) -> fx.Node:
+    """``W.transpose(-2, -1)`` -> W (a 3-D parameter)."""
+    expect(w_t, "transpose")
+    dims = {arg(w_t, 1, "dim0"), arg(w_t, 2, "dim1")}
+    if dims not in ({-2, -1}, {1, 2}):
+        raise NoMatch(f"{what} weight transposed over dims {sorted(dims)}, expected the last two", w_t)
+    w = w_t.args[0]
+    if len(shape_of(w)) != 3:
+        raise NoMatch(f"{what} weight has shape {shape_of(w)}, expected [E, out, in]", w_t)
+    return w
+
+
+def _mm_operands(mm: fx.Node):
+    # _grouped_mm(self, mat2, offs), F.grouped_mm(mat_a, mat_b, offs=) and the
+    # transformers fallback(input, weight, offs) all take the operands positionally.
+    if len(mm.args) < 2:
+        raise NoMatch("grouped GEMM operands passed by keyword", mm)
+    a, b = mm.args[:2]
+    offs = arg(mm, 2, "offs")
+    if arg(mm, 3, "bias") is not None:
+        raise NoMatch("grouped GEMM with a bias", mm)
+    if mm.kwargs.get("out_dtype") not in (None, dtype_of(mm)):
+        raise NoMatch("grouped GEMM with an out_dtype", mm)
+    return a, b, offs
+
+
+def _skip_sentinel_mask(node: fx.Node):
+    """``h.masked_fill(mask, 0)`` after a grouped GEMM (EP sentinels) -> (h's single consumer, mask)."""
+    user = only_user(node, "masked_fill", "chunk", "mul")
+    if is_op(user, "masked_fill"):
+        return only_user(user, "chunk", "mul"), user.args[1]
+    return user, None
+
+
+def match(up_mm: fx.Node) -> Candidate:
+    a, w_gu_t, offs = _mm_operands(up_mm)
+    w_gate_up = _expert_weight(w_gu_t, "gate_up")
+    E, two_i, H = shape_of(w_gate_up)
+
+    # Routing metadata: offsets from a histogram of the sorted expert ids.
+    expect(offs, "cumsum")
+    expect_literal(offs.kwargs.get("dtype", arg(offs, 2, "dtype")), torch.int32, "offsets dtype", offs)
+    hist = expect(arg(offs, 0, "input"), "histc")
+    expect_literal(arg(hist, 1, "bins"), E, "histc bins", hist)
+    expect_literal(arg(hist, 2, "min"), 0, "histc min", hist)
+    expect_literal(arg(hist, 3, "max"), E - 1, "histc max", hist)
+    sorted_ids = expect(_skip_casts(arg(hist, 0, "input")), "getitem")
+    sort = expect(sorted_ids.args[0], "sort")
+    expect_literal(sorted_ids.args[1], 0, "sorted ids index", sorted_ids)
+    if arg(sort, 1, "dim", -1) not in (-1, 0) or arg(sort, 2, "descending", False):
+        raise NoMatch("expert ids sorted in an unexpected way", sort)
+    perm = getitem_user(sort, 1)
+    flat_ids = expect(arg(sort, 0, "input"), "reshape", "view", "flatten")
+    ids = flat_ids.args[0]
+    T, k = shape_of(ids)
+
+    # Gathered rows: x[perm // k], possibly masked in place for EP sentinels.
+    gathered = expect(_skip_casts(a), "getitem")
+    x, row_token = gathered.args
+    expect(row_token, "floordiv")
+    if row_token.args[0] is not perm:
+        raise NoMatch("rows gathered with an index other than the sort permutation", row_token)
+    expect_literal(row_token.args[1], k, "row // k divisor", row_token)
+    if len(shape_of(x)) != 2 or not same_size(shape_of(x)[0], T) or shape_of(x)[1] != H:
+        raise NoMatch(f"hidden states {shape_of(x)} do not fit [{T}, {H}]", gathered)
+
+    # gate_up GEMM -> [mask] -> chunk(2) -> silu(gate) * up -> down GEMM.
+    chunk, mask = _skip_sentinel_mask(up_mm)
+    expect(chunk, "chunk")
+    expect_literal(arg(chunk, 1, "chunks"), 2, "chunk count", chunk)
+    expect_literal(arg(chunk, 2, "dim", 0) in (-1, 1), True, "chunk over the last dim", chunk)
+    gate, up = getitem_user(chunk, 0), getitem_user(chunk, 1)
+    act = only_user(gate, "silu")
+    glu = only_user(act, "mul")
+    if set(glu.args) != {act, up}:
+        raise NoMatch("gated activation is not silu(gate) * up", glu)
+    down_mm = glu
+    while not is_op(down_mm, "grouped_mm"):
+        down_mm = only_user(down_mm, "to", "grouped_mm", "contiguous")
+    a2, w_d_t, offs2 = _mm_operands(down_mm)
+    if offs2 is not offs:
+        raise NoMatch("the two grouped GEMMs use different offsets", down_mm)
+    w_down = _expert_weight(w_d_t, "down")
+    if shape_of(w_down) != (E, H, two_i // 2):
+        raise NoMatch(f"down weight {shape_of(w_down)} does not fit gate_up {shape_of(w_gate_up)}", down_mm)
+
+    # Weighted combine: ys * weights[perm] -> un-permute -> view(T, k, H).sum(1).
+    scale, mask2 = _skip_sentinel_mask(down_mm)
+    expect(scale, "mul")
+    w_col = [a for a in scale.args if isinstance(a, fx.Node) and is_op(a, "unsqueeze", "view", "reshape")]
+    if len(w_col) != 1:
+        raise NoMatch("rows are not scaled by a column of routing weights", scale)
+    w_rows = expect(w_col[0].args[0], "getitem")
+    if w_rows.args[1] is not perm:
+        raise NoMatch("routing weights gathered with an index other than the sort permutation", w_rows)
+    flat_w = expect(w_rows.args[0], "reshape", "view", "flatten")
+    weights = flat_w.args[0]
+    if shape_of(weights) != shape_of(ids):
+        raise NoMatch(f"routing weights {shape_of(weights)} and ids {shape_of(ids)} differ in shape", flat_w)
+
+    unperm = only_user(scale, "getitem")
+    inv = unperm.args[1]
+    expect(inv, "empty_like")
+    writes = [u for u in inv.users if is_op(u, "setitem")]
+    if len(writes) != 1 or writes[0].args[1] is not perm or not is_op(writes[0].args[2], "arange"):
+        raise NoMatch("the un-permutation is not inv[perm] = arange(S)", inv)
+    view = only_user(unperm, "view", "reshape")
+    dims = list(view.args[1:]) if len(view.args) > 2 else list(view.args[1])
+    if len(dims) != 3 or dims[1] != k or dims[2] not in (H, -1):
+        raise NoMatch(f"combine views rows as {dims}, expected [T, {k}, {H}]", view)
+    total = only_user(view, "sum")
+    expect_literal(arg(total, 1, "dim"), 1, "combine sum dim", total)
+    if arg(total, 2, "keepdim", False):
+        raise NoMatch("combine sum keeps its dim", total)
+    out = total
+    if len(total.users) == 1 and is_op(next(iter(total.users)), "to"):
+        cast = next(iter(total.users))
+        if dtype_of(cast) == dtype_of(x):
+            out = cast
+    if dtype_of(out) != dtype_of(x):
+        raise NoMatch(f"combined output is {dtype_of(out)}, hidden states are {dtype_of(x)}", out)
+
+    spec = ExpertsSpec(
+        num_experts=E,
+        top_k=k,
+        hidden=H,
+        intermediate=two_i // 2,
+        dtype=dtype_of(x),
+        weights_dtype=dtype_of(weights),
+        expert_parallel_sentinels=mask is not None or mask2 is not None,
+    )
+    region = collect_region([x, ids, weights, w_gate_up, w_down], [out])
+    return Candidate(
+        pattern=PATTERN,
+        spec=spec,
+        region=region,
+        op=torch.ops.moe_fuse.experts.default,
+        op_args=(x, ids, weights, w_gate_up, w_down),
+        output_index=[None],
+        input_kinds=["hidden", "expert_ids", "routing_weights", "param", "param"],
+        anchor=up_mm,
+    )
+
+
+def find(graph: fx.Graph) -> list[Candidate | Rejection]:
+    found = []
+    seen_down = set()
+    for node in graph.nodes:
+        if not is_op(node, "grouped_mm") or node in seen_down:
+            continue
+        try:
+            cand = match(node)
+            seen_down.update(n for n in cand.region.nodes if is_op(n, "grouped_mm"))
+            found.append(cand)
+        except NoMatch as e:
+            found.append(Rejection(PATTERN, e.reason, e.node or node))
+    return found

@@ -1,0 +1,51 @@
+"""Replace a verified region by its fused op call."""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from .candidate import Candidate
+from .graph import meta_value, remove_region
+
+
+def _fake_result(cand: Candidate):
+    """The op's output metadata, computed in the graph's own fake mode."""
+    fakes = [meta_value(a) if isinstance(a, fx.Node) else a for a in cand.op_args]
+    mode = next((f.fake_mode for f in fakes if hasattr(f, "fake_mode")), None)
+    if mode is None:
+        return None
+    with mode:
+        return cand.op(*fakes)
+
+
+def rewrite(cand: Candidate) -> int:
+    """Insert the op, redirect every outside use of the region's outputs, erase what is dead.
+
+    Returns the number of nodes removed.
+    """
+    region = cand.region
+    graph = region.outputs[0].graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    last_input = max(position[n] for n in region.inputs)
+    first = next(n for n in region.nodes if position[n] > last_input)
+    fake = _fake_result(cand)
+    with graph.inserting_before(first):
+        call = graph.call_function(cand.op, cand.op_args)
+        call.meta["example_value"] = fake
+        call.meta["moe_fuse"] = cand.pattern
+        if cand.anchor.meta.get("nn_module_stack"):
+            call.meta["nn_module_stack"] = cand.anchor.meta["nn_module_stack"]
+        outs = []
+        for index in cand.output_index:
+            if index is None:
+                outs.append(call)
+                continue
+            item = graph.call_function(operator.getitem, (call, index))
+            item.meta["example_value"] = fake[index] if fake is not None else None
+            outs.append(item)
+    inside = set(region.nodes)
+    for old, new in zip(region.outputs, outs):
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in inside)
+    return remove_region(region)

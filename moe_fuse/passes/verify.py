@@ -1,0 +1,118 @@
+"""Prove a candidate before rewriting it: run the original region and the fused op
+on the same fresh random probes and compare outputs and gradients.
+
+Probes have the region's real shapes and dtypes; parameters are the real ones
+when the backend can see them (top-level graph inputs, or HOP-body inputs that
+lead to them), random otherwise. Any disagreement or error leaves the region
+untouched, with the reason recorded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .candidate import Candidate
+from .graph import concrete, meta_value, region_graph_module
+
+# Relative-norm tolerances: far above rounding noise of two correct
+# implementations in that dtype, far below any semantic difference we probe for.
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    denom = want.norm().item()
+    return (got - want).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def _concrete_value(node):
+    value = meta_value(node)
+    if isinstance(value, (tuple, list)):
+        return type(value)(concrete(v) for v in value)
+    return concrete(value)
+
+
+def make_probes(cand: Candidate, resolve, generator: torch.Generator) -> list[torch.Tensor]:
+    spec = cand.spec
+    probes = []
+    for node, kind in zip(cand.region.inputs, cand.input_kinds):
+        fake = meta_value(node)
+        shape = tuple(concrete(s) for s in fake.shape)
+        dev, dtype = fake.device, fake.dtype
+
+        def rand(*size, dtype=torch.float32):
+            return torch.rand(size, generator=generator).to(device=dev, dtype=dtype)
+
+        if kind == "hidden":
+            probe = torch.randn(shape, generator=generator).to(device=dev, dtype=dtype)
+        elif kind == "param":
+            real = resolve(node)
+            if real is not None:
+                probe = real.detach().clone()
+            else:
+                probe = (torch.randn(shape, generator=generator) * shape[-1] ** -0.5).to(device=dev, dtype=dtype)
+        elif kind == "expert_ids":
+            T, k = shape
+            probe = torch.rand(T, spec.num_experts, generator=generator).argsort(dim=-1)[:, :k]
+            if spec.expert_parallel_sentinels:  # some rows routed to another rank's experts
+                probe[torch.rand(T, k, generator=generator) < 0.2] = spec.num_experts
+            probe = probe.to(device=dev, dtype=dtype)
+        elif kind == "routing_weights":
+            probe = (rand(*shape) + 0.1).to(dtype)
+        else:
+            raise ValueError(f"unknown probe kind {kind!r}")
+        probes.append(probe)
+    return probes
+
+
+def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
+    """None when the fused op matches the region on the probes, else why not."""
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        original = region_graph_module(cand.region)
+        free = [_concrete_value(n) for n in cand.region.free]
+        probes = make_probes(cand, resolve, generator)
+        by_node = dict(zip(cand.region.inputs, probes))
+        with torch.enable_grad():
+            leaves_a = [p.clone().requires_grad_(p.is_floating_point()) for p in probes]
+            leaves_b = [p.clone().requires_grad_(p.is_floating_point()) for p in probes]
+            want = original(*leaves_a, *free)
+            args = [leaves_b[cand.region.inputs.index(a)] if a in by_node else a for a in cand.op_args]
+            result = cand.op(*args)
+            got = [result if i is None else result[i] for i in cand.output_index]
+
+            cotangents = []
+            for name, g, w in zip([n.name for n in cand.region.outputs], got, want):
+                if g.shape != w.shape or g.dtype != w.dtype:
+                    return f"output {name}: fused {g.dtype}{list(g.shape)} vs original {w.dtype}{list(w.shape)}"
+                if not w.is_floating_point():
+                    if not torch.equal(g, w):
+                        return f"output {name} differs ({(g != w).sum().item()} of {w.numel()} elements)"
+                    continue
+                err = rel_err(g, w)
+                if err > TOLERANCE[w.dtype]:
+                    return f"output {name} differs: relative error {err:.3g} > {TOLERANCE[w.dtype]:g}"
+                if w.requires_grad:
+                    cotangents.append((g, w, torch.randn(w.shape, generator=generator).to(w)))
+
+            if cotangents:
+                float_a = [p for p in leaves_a if p.requires_grad]
+                float_b = [p for p in leaves_b if p.requires_grad]
+                grads_a = torch.autograd.grad([w for _, w, _ in cotangents], float_a,
+                                              [c for _, _, c in cotangents], allow_unused=True)
+                grads_b = torch.autograd.grad([g for g, _, _ in cotangents], float_b,
+                                              [c for _, _, c in cotangents], allow_unused=True)
+                names = [n.name for n, p in zip(cand.region.inputs, probes) if p.is_floating_point()]
+                for name, ga, gb in zip(names, grads_a, grads_b):
+                    if ga is None or gb is None:
+                        if (ga is None) != (gb is None):
+                            return f"gradient of {name}: only one side has one"
+                        continue
+                    err = rel_err(gb, ga)
+                    if err > 2 * TOLERANCE[ga.dtype]:
+                        return f"gradient of {name} differs: relative error {err:.3g} > {2 * TOLERANCE[ga.dtype]:g}"
+    except Exception as e:  # a probe that crashes either side proves nothing: leave it alone
+        return f"verification raised {type(e).__name__}: {e}"
+    return None

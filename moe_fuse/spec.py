@@ -1,0 +1,47 @@
+"""What a matched MoE block computes: plain data handed from describe to verify and rewrite."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """linear -> softmax(fp32) -> top-k -> optional renorm -> cast to ``weights_dtype``."""
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    renorm: bool
+    dtype: torch.dtype  # of the hidden states and router weight
+    weights_dtype: torch.dtype  # of the routing weights handed to the experts
+    scoring: str = "softmax"
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["dtype"] = str(self.dtype).removeprefix("torch.")
+        d["weights_dtype"] = str(self.weights_dtype).removeprefix("torch.")
+        return d
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """SwiGLU experts over [E, 2I, H] gate_up (gate rows first) and [E, H, I] down weights."""
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    dtype: torch.dtype  # of the hidden states
+    weights_dtype: torch.dtype  # of the routing weights
+    activation: str = "silu"
+    layout: str = "gate_up_concat"
+    expert_parallel_sentinels: bool = False  # transformers' EP masking ops were present
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["dtype"] = str(self.dtype).removeprefix("torch.")
+        d["weights_dtype"] = str(self.weights_dtype).removeprefix("torch.")
+        return d
