@@ -47,7 +47,8 @@ def supports(x, ids, weights, w_gate_up, w_down) -> bool:
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False):
     """Same result as ``reference.experts_forward``; with ``save_h`` also returns (h, routing).
 
-    x [T, H], ids [T, k] (expert of each slot), weights [T, k], w_gate_up [E, 2I, H]
+    x [T, H], ids [T, k] (expert of each slot; ids >= E are expert-parallel
+    sentinels that contribute zero, as in the reference), weights [T, k], w_gate_up [E, 2I, H]
     (gate rows first), w_down [E, H, I]. Returns y [T, H] in x.dtype, or
     ``(y, h, routing)`` where h [S, 2I] is the pre-activation (gate | up) in
     sorted order (row p belongs to ``routing.order[p]``) in the weights' dtype.
@@ -61,7 +62,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False)
     # weight with type promotion and sums in that dtype: keep the slots there.
     slot_dtype = torch.promote_types(w_down.dtype, weights.dtype)
     slots = down(a, routing, weights, w_down, slot_dtype)
-    y = combine(slots, T, k, x.dtype)
+    y = combine(slots, ids, E, x.dtype)
     if save_h:
         return y, h, routing
     return y

@@ -12,6 +12,10 @@ on every run):
    which keeps equal experts in their original order (stable, like
    ``torch.argsort(stable=True)``).
 
+Ids >= E are expert-parallel sentinels (experts of another rank, as in
+transformers): they count as one extra bucket E, so they land after every real
+expert (in row order), are in no GEMM tile, and the combine skips their slots.
+
 The tile schedule of the grouped GEMMs is derived from ``counts`` inside the
 GEMM kernels themselves (see grouped_gemm.py), so it can follow each GEMM's own
 BLOCK_M.
@@ -34,35 +38,36 @@ SCAN_CHUNK = 1024
 class Routing(NamedTuple):
     """Rows grouped by expert. Row r = token * k + slot (the flattened [T, k] index)."""
 
-    order: torch.Tensor  # [S] int32: sorted position -> row, stable within each expert
+    order: torch.Tensor  # [S] int32: sorted position -> row, stable within each expert; sentinel rows last
     counts: torch.Tensor  # [E] int32: rows routed to each expert
-    offsets: torch.Tensor  # [E + 1] int32: first sorted position of each expert, then S
+    offsets: torch.Tensor  # [E + 1] int32: first sorted position of each expert, then the number of routed rows
 
 
 @lazy_jit
 def _count_kernel(
     ids_ptr,
-    block_counts_ptr,  # [E, num_blocks] int32
+    block_counts_ptr,  # [E + 1, num_blocks] int32 (bucket E: sentinels)
     S,
     E,
     num_blocks,
     BLOCK: tl.constexpr,
-    E_P2: tl.constexpr,
+    E_P2: tl.constexpr,  # >= E + 1
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK + tl.arange(0, BLOCK)
     expert = tl.load(ids_ptr + rows, mask=rows < S, other=-1).to(tl.int32)
+    expert = tl.minimum(expert, E)
     bins = tl.arange(0, E_P2)
     # One-hot compare and sum: [BLOCK, E_P2] is small, and portable to the interpreter.
     hits = (expert[:, None] == bins[None, :]).to(tl.int32)
     counts = tl.sum(hits, axis=0)
-    tl.store(block_counts_ptr + bins * num_blocks + pid, counts, mask=bins < E)
+    tl.store(block_counts_ptr + bins * num_blocks + pid, counts, mask=bins <= E)
 
 
 @lazy_jit
 def _scan_kernel(
-    block_counts_ptr,  # [E, num_blocks] int32, replaced by exclusive prefixes along blocks
-    counts_ptr,  # [E] int32
+    block_counts_ptr,  # [E + 1, num_blocks] int32, replaced by exclusive prefixes along blocks
+    counts_ptr,  # [E + 1] int32
     num_blocks,
     CHUNK: tl.constexpr,
 ):
@@ -81,8 +86,8 @@ def _scan_kernel(
 @lazy_jit
 def _scatter_kernel(
     ids_ptr,
-    block_prefix_ptr,  # [E, num_blocks] int32 from _scan_kernel
-    counts_ptr,
+    block_prefix_ptr,  # [E + 1, num_blocks] int32 from _scan_kernel
+    counts_ptr,  # [E + 1] int32
     order_ptr,  # [S] int32 out
     offsets_ptr,  # [E + 1] int32 out
     S,
@@ -95,14 +100,13 @@ def _scatter_kernel(
     lane = tl.arange(0, BLOCK)
     rows = pid * BLOCK + lane
     valid = rows < S
-    expert = tl.load(ids_ptr + rows, mask=valid, other=-1).to(tl.int32)
+    expert = tl.minimum(tl.load(ids_ptr + rows, mask=valid, other=-1).to(tl.int32), E)
 
     bins = tl.arange(0, E_P2)
-    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
-    expert_start = tl.cumsum(counts, axis=0) - counts  # [E_P2], exclusive
+    counts = tl.load(counts_ptr + bins, mask=bins <= E, other=0)
+    expert_start = tl.cumsum(counts, axis=0) - counts  # [E_P2], exclusive; expert_start[E] = routed rows
     if pid == 0:
-        tl.store(offsets_ptr + bins, expert_start, mask=bins < E)
-        tl.store(offsets_ptr + E, tl.sum(counts, axis=0))
+        tl.store(offsets_ptr + bins, expert_start, mask=bins <= E)
 
     # expert_start[expert] per row, without a register gather: sum of counts of smaller experts.
     start_of_row = tl.sum(tl.where(bins[None, :] < expert[:, None], counts[None, :], 0), axis=1)
@@ -114,24 +118,26 @@ def _scatter_kernel(
 
 
 def route(ids: torch.Tensor, num_experts: int) -> Routing:
-    """Group the rows of ``ids`` [T, k] by expert. Same ``order`` as ``reference.expert_order``."""
+    """Group the rows of ``ids`` [T, k] by expert: ``order`` equals ``reference.expert_order``'s
+    over the routed rows; sentinel rows (ids >= E) follow in row order."""
     flat = ids.reshape(-1).contiguous()
     S = flat.numel()
     E = int(num_experts)
     dev = flat.device
     num_blocks = triton.cdiv(S, ROUTE_BLOCK)
-    E_P2 = triton.next_power_of_2(E)
+    E_P2 = triton.next_power_of_2(E + 1)  # one bucket more, for sentinels
     order = torch.empty(S, dtype=torch.int32, device=dev)
-    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    counts = torch.empty(E + 1, dtype=torch.int32, device=dev)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     if S == 0:
         counts.zero_()
         offsets.zero_()
-        return Routing(order, counts, offsets)
-    block_counts = torch.empty(E, num_blocks, dtype=torch.int32, device=dev)
+        return Routing(order, counts[:E], offsets)
+    block_counts = torch.empty(E + 1, num_blocks, dtype=torch.int32, device=dev)
     _count_kernel[(num_blocks,)](flat, block_counts, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2)
-    _scan_kernel[(E,)](block_counts, counts, num_blocks, CHUNK=min(SCAN_CHUNK, triton.next_power_of_2(num_blocks)))
+    chunk = min(SCAN_CHUNK, triton.next_power_of_2(num_blocks))
+    _scan_kernel[(E + 1,)](block_counts, counts, num_blocks, CHUNK=chunk)
     _scatter_kernel[(num_blocks,)](
         flat, block_counts, counts, order, offsets, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2
     )
-    return Routing(order, counts, offsets)
+    return Routing(order, counts[:E], offsets)
