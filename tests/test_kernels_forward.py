@@ -8,6 +8,7 @@ Python. The interpreter rounds fp32 -> bf16 by truncation, so bf16 tolerances
 here are looser than on a GPU.
 """
 
+import contextlib
 import os
 
 import torch
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 from moe_fuse import reference  # noqa: E402
 from moe_fuse.kernels import experts_forward, route, supports  # noqa: E402
+from moe_fuse.kernels.combine import combine  # noqa: E402
+from moe_fuse.kernels.grouped_gemm import GemmConfig, down, gate_up  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -66,8 +69,9 @@ def ref64(x, ids, weights, w_gate_up, w_down):
     return reference.experts_forward(*[t.double() if t.is_floating_point() else t for t in cpu])
 
 
-def run_poisoned(monkeypatch, *args, **kwargs):
-    """experts_forward with every buffer it allocates pre-filled with NaN (floats) or -1 (ints)."""
+@contextlib.contextmanager
+def poisoned_buffers(monkeypatch):
+    """Every buffer the kernels allocate starts as NaN (floats) or -1 (ints): unwritten elements show."""
     real_empty = torch.empty
 
     def poisoned_empty(*shape, **kw):
@@ -77,6 +81,11 @@ def run_poisoned(monkeypatch, *args, **kwargs):
 
     with monkeypatch.context() as m:
         m.setattr(torch, "empty", poisoned_empty)
+        yield
+
+
+def run_poisoned(monkeypatch, *args, **kwargs):
+    with poisoned_buffers(monkeypatch):
         return experts_forward(*args, **kwargs)
 
 
@@ -154,6 +163,27 @@ def test_forward_matches_reference(name, monkeypatch):
     w_dtype = args[3].dtype
     tol = max(TOL[dtype], TOL[w_dtype], TOL[args[2].dtype])
     assert rel_err(y.cpu(), ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tma_descriptor_path(dtype, monkeypatch):
+    """The Hopper path (weights and the down GEMM's A through tensor descriptors), run by the interpreter.
+
+    I = 24 < BLOCK_N: gate tiles run into the up rows and the last expert's up tile past the tensor's end.
+    """
+    args = make_case(26, 3, 5, 40, 24, dtype, "skewed", seed=5)
+    x, ids, weights, w_gate_up, w_down = args
+    cfg = GemmConfig(16, 32, 32, 1, 4, 1, use_tma=True)
+
+    def staged():
+        routing = route(ids, 5)
+        a, _ = gate_up(x, routing, w_gate_up, 3, config=cfg)
+        return combine(down(a, routing, weights, w_down, dtype, config=cfg), ids, 5, dtype)
+
+    with poisoned_buffers(monkeypatch):
+        y = staged()
+    assert bool(torch.isfinite(y).all())
+    assert rel_err(y.cpu(), ref64(*args)) < TOL[dtype]
 
 
 def test_forward_non_contiguous(monkeypatch):

@@ -12,6 +12,12 @@ programs past the real tile count exit at once. Each program finds its expert
 from ``counts`` itself (a prefix sum over E values, negligible next to the
 tile's K loop), so each GEMM can use its own BLOCK_M.
 
+With ``use_tma`` (Hopper), the weight tiles (and the contiguous A rows of the
+down GEMM) come through host-built tensor descriptors (the bulk tensor copy
+engine) instead of pointer loads; the gathered x rows of gate_up stay pointer
+loads. A tile that runs past an expert's rows or columns reads its neighbour's
+(or zeros past the tensor's end): those rows and columns are never stored.
+
 Accumulation is fp32. The operands are the weights' dtype (x is cast to it, as
 in the reference). Under the Triton interpreter, ``tl.dot`` on bf16 operands is
 wrong in triton 3.6, so the operands are upcast to fp32 there (``INTERPRET``).
@@ -25,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from ._jit import interpreting, lazy_jit
 from .routing import Routing
 
@@ -37,6 +45,7 @@ class GemmConfig:
     group_m: int = 1  # M-tiles walked together over all N-tiles (L2 reuse of the A rows and weight tiles)
     num_warps: int = 4
     num_stages: int = 3
+    use_tma: bool = False  # weights through tensor descriptors (needs contiguous weights, 16-byte rows)
 
 
 # Small blocks keep the interpreter fast; the numbers are not a performance choice.
@@ -49,6 +58,7 @@ def _gate_up_kernel(
     order_ptr,  # [S] int32, sorted position -> row
     counts_ptr,  # [E] int32
     w_ptr,  # [E, 2I, H]
+    w_desc,  # descriptor of w viewed as [E * 2I, H], blocks [BLOCK_N, BLOCK_K] (USE_TMA only)
     a_ptr,  # [S, I] out, sorted order, weights' dtype
     h_ptr,  # [S, 2I] out (only when SAVE_H): pre-activation gate | up
     H,
@@ -68,6 +78,7 @@ def _gate_up_kernel(
     E_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     SAVE_H: tl.constexpr,
+    USE_TMA: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -105,6 +116,7 @@ def _gate_up_kernel(
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     g_ptrs = w_e + n_load[None, :] * stride_wn + kk[:, None] * stride_wh  # [BLOCK_K, BLOCK_N] = W_gate^T tile
     up_offset = I * stride_wn
+    gate_row = expert * (2 * I) + pid_n * BLOCK_N  # row of the [E * 2I, H] view (USE_TMA)
 
     w_dtype = w_ptr.dtype.element_ty
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -112,11 +124,16 @@ def _gate_up_kernel(
     for k0 in range(0, H, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=((k0 + kk) < H)[None, :], other=0.0)
+        if USE_TMA:
+            bg = w_desc.load([gate_row, k0]).T
+            bu = w_desc.load([gate_row + I, k0]).T
+        elif EVEN_K:
             bg = tl.load(g_ptrs)
             bu = tl.load(g_ptrs + up_offset)
         else:
             k_ok = (k0 + kk) < H
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             bu = tl.load(g_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
         a = a.to(w_dtype)  # the reference casts x to the weights' dtype
@@ -143,9 +160,11 @@ def _gate_up_kernel(
 @lazy_jit
 def _down_kernel(
     a_ptr,  # [S, I] sorted order
+    a_desc,  # descriptor of a, blocks [BLOCK_M, BLOCK_K] (USE_TMA only)
     order_ptr,  # [S] int32
     counts_ptr,  # [E] int32
     w_ptr,  # [E, H, I]
+    w_desc,  # descriptor of w viewed as [E * H, I], blocks [BLOCK_N, BLOCK_K] (USE_TMA only)
     rw_ptr,  # [S] routing weights, by row
     out_ptr,  # [S, H] out, by row (= [T, k, H])
     H,
@@ -161,6 +180,7 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     E_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -195,9 +215,16 @@ def _down_kernel(
     a_ptrs = a_ptr + pos.to(tl.int64)[:, None] * I + kk[None, :]
     b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + n_load[None, :] * stride_wn + kk[:, None] * stride_wk
 
+    a_row = row_begin + tile_in_expert * BLOCK_M  # USE_TMA: first row of the tile in a
+    w_row = expert * H + pid_n * BLOCK_N  # USE_TMA: row of the [E * H, I] view
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        if EVEN_K:
+        if USE_TMA:
+            # Past I (K tail) and past S the descriptors read zeros.
+            a = a_desc.load([a_row, k0])
+            b = w_desc.load([w_row, k0]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
@@ -252,6 +279,11 @@ def default_config(kind: str, S: int, E: int, N: int, K: int, dtype: torch.dtype
     return GemmConfig(128, 256, 64 if wide else 32, 8, 8, 3)
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    # A descriptor needs a contiguous tensor, a 16-byte aligned base and 16-byte aligned rows.
+    return t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
+
+
 def _m_tiles_bound(S: int, E: int, block_m: int) -> int:
     # sum_e ceil(c_e / BM) <= S / BM + (number of non-empty experts); and a tile holds at least one row.
     return min(triton.cdiv(S, block_m) + E, S)
@@ -278,6 +310,8 @@ def gate_up(
     if S == 0:
         return a, h
     cfg = config or default_config("gate_up", S, E, I, H, w_gate_up.dtype)
+    use_tma = cfg.use_tma and _tma_ok(w_gate_up)
+    w_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * two_i, H), [cfg.block_n, cfg.block_k]) if use_tma else None
     num_m = _m_tiles_bound(S, E, cfg.block_m)
     grid = (num_m * triton.cdiv(I, cfg.block_n),)
     _gate_up_kernel[grid](
@@ -285,6 +319,7 @@ def gate_up(
         routing.order,
         routing.counts,
         w_gate_up,
+        w_desc,
         a,
         h if save_h else a,
         H,
@@ -304,6 +339,7 @@ def gate_up(
         E_P2=triton.next_power_of_2(E),
         EVEN_K=H % cfg.block_k == 0,
         SAVE_H=save_h,
+        USE_TMA=use_tma,
         INTERPRET=interpreting(),
         DOT_PRECISION=_dot_precision(w_gate_up.dtype),
         num_warps=cfg.num_warps,
@@ -330,13 +366,18 @@ def down(
     a = a.contiguous()
     rw = weights.reshape(-1).contiguous()
     cfg = config or default_config("down", S, E, H, I, w_down.dtype)
+    use_tma = cfg.use_tma and _tma_ok(w_down) and _tma_ok(a)
+    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if use_tma else None
+    w_desc = TensorDescriptor.from_tensor(w_down.view(E * H, I), [cfg.block_n, cfg.block_k]) if use_tma else None
     num_m = _m_tiles_bound(S, E, cfg.block_m)
     grid = (num_m * triton.cdiv(H, cfg.block_n),)
     _down_kernel[grid](
         a,
+        a_desc,
         routing.order,
         routing.counts,
         w_down,
+        w_desc,
         rw,
         out,
         H,
@@ -352,6 +393,7 @@ def down(
         GROUP_M=cfg.group_m,
         E_P2=triton.next_power_of_2(E),
         EVEN_K=I % cfg.block_k == 0,
+        USE_TMA=use_tma,
         INTERPRET=interpreting(),
         DOT_PRECISION=_dot_precision(w_down.dtype),
         num_warps=cfg.num_warps,
