@@ -256,27 +256,31 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def default_config(kind: str, S: int, E: int, N: int, K: int, dtype: torch.dtype) -> GemmConfig:
-    """Block shapes for one GEMM ("gate_up" or "down") from the average rows per expert.
+    """Block shapes for one GEMM ("gate_up": N = I, K = H; "down": N = H, K = I) from the average rows per expert.
 
-    Chosen on an H200 (bench/check_kernels_gpu.py sweeps these). Depends only on
-    a bucket of S / E, never on the exact token count, so shapes do not recompile
-    for every batch.
+    Measured on an H200 with bench/check_kernels_gpu.py --sweep (bench/KERNELS_NOTES.md).
+    Depends only on a bucket of S / E, never on the exact token count, so a new
+    batch size does not compile new kernels.
     """
     if interpreting():
         return INTERPRETER_CONFIG
     rows = S / max(E, 1)
     wide = dtype != torch.float32  # fp32 operands take twice the shared memory per stage
+    bk = 64 if wide else 32
     if rows <= 16:
-        # Decode-like: a few rows per expert; streaming the weights is the cost.
-        return GemmConfig(16, 64, 128 if wide else 64, 1, 4, 4)
+        # Decode-like: a few rows per expert and streaming the weights is the cost: narrow N-tiles
+        # for more programs in flight (gate_up has two B tiles per program).
+        return GemmConfig(16, 32 if kind == "gate_up" else 64, 2 * bk, 1, 4, 4)
     if rows <= 48:
-        return GemmConfig(32, 64, 128 if wide else 64, 1, 4, 4)
+        return GemmConfig(32, 64, 2 * bk, 1, 4, 4)
     if rows <= 160:
-        return GemmConfig(64, 128, 64 if wide else 32, 1, 4, 4)
+        return GemmConfig(64, 128, bk, 1, 4, 4)
+    # Large batches. H200, T=16384, bf16 (30B / 235B layers): TMA weight tiles beat pointer loads by
+    # 6-10% on both GEMMs; gate_up's two 128x128 accumulators (a 128x256 tile) at 3 stages, down
+    # 128x256 with 4 stages when its K loop (I) is long, 3 when short.
     if kind == "gate_up":
-        # Two accumulators (gate and up) of BLOCK_M x BLOCK_N: effectively a 128 x 256 tile.
-        return GemmConfig(128, 128, 64 if wide else 32, 8, 8, 3)
-    return GemmConfig(128, 256, 64 if wide else 32, 8, 8, 3)
+        return GemmConfig(128, 128, bk, 8, 8, 3, use_tma=wide)
+    return GemmConfig(128, 256, bk, 8, 8, 4 if K >= 1024 else 3, use_tma=wide)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:

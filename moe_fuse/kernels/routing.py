@@ -12,6 +12,9 @@ on every run):
    which keeps equal experts in their original order (stable, like
    ``torch.argsort(stable=True)``).
 
+When S fits one block, the scatter kernel counts by itself and the other two
+launches are skipped.
+
 Ids >= E are expert-parallel sentinels (experts of another rank, as in
 transformers): they count as one extra bucket E, so they land after every real
 expert (in row order), are in no GEMM tile, and the combine skips their slots.
@@ -95,6 +98,7 @@ def _scatter_kernel(
     num_blocks,
     BLOCK: tl.constexpr,
     E_P2: tl.constexpr,
+    COUNT_HERE: tl.constexpr,  # one block only: count here, skip _count_kernel and _scan_kernel
 ):
     pid = tl.program_id(0)
     lane = tl.arange(0, BLOCK)
@@ -103,7 +107,11 @@ def _scatter_kernel(
     expert = tl.minimum(tl.load(ids_ptr + rows, mask=valid, other=-1).to(tl.int32), E)
 
     bins = tl.arange(0, E_P2)
-    counts = tl.load(counts_ptr + bins, mask=bins <= E, other=0)
+    if COUNT_HERE:
+        counts = tl.sum((expert[:, None] == bins[None, :]).to(tl.int32), axis=0)
+        tl.store(counts_ptr + bins, counts, mask=bins <= E)
+    else:
+        counts = tl.load(counts_ptr + bins, mask=bins <= E, other=0)
     expert_start = tl.cumsum(counts, axis=0) - counts  # [E_P2], exclusive; expert_start[E] = routed rows
     if pid == 0:
         tl.store(offsets_ptr + bins, expert_start, mask=bins <= E)
@@ -113,8 +121,11 @@ def _scatter_kernel(
     # Stable rank inside the block: earlier rows (j < i) with the same expert.
     earlier = (expert[None, :] == expert[:, None]) & (lane[None, :] < lane[:, None])
     rank = tl.sum(earlier.to(tl.int32), axis=1)
-    prefix = tl.load(block_prefix_ptr + expert.to(tl.int64) * num_blocks + pid, mask=valid, other=0)
-    tl.store(order_ptr + start_of_row + prefix + rank, rows, mask=valid)
+    if COUNT_HERE:
+        tl.store(order_ptr + start_of_row + rank, rows, mask=valid)
+    else:
+        prefix = tl.load(block_prefix_ptr + expert.to(tl.int64) * num_blocks + pid, mask=valid, other=0)
+        tl.store(order_ptr + start_of_row + prefix + rank, rows, mask=valid)
 
 
 def route(ids: torch.Tensor, num_experts: int) -> Routing:
@@ -133,11 +144,17 @@ def route(ids: torch.Tensor, num_experts: int) -> Routing:
         counts.zero_()
         offsets.zero_()
         return Routing(order, counts[:E], offsets)
+    if num_blocks == 1:
+        # Decode-sized batches: one launch instead of three (launches dominate there).
+        _scatter_kernel[(1,)](
+            flat, counts, counts, order, offsets, S, E, 1, BLOCK=ROUTE_BLOCK, E_P2=E_P2, COUNT_HERE=True
+        )
+        return Routing(order, counts[:E], offsets)
     block_counts = torch.empty(E + 1, num_blocks, dtype=torch.int32, device=dev)
     _count_kernel[(num_blocks,)](flat, block_counts, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2)
     chunk = min(SCAN_CHUNK, triton.next_power_of_2(num_blocks))
     _scan_kernel[(E + 1,)](block_counts, counts, num_blocks, CHUNK=chunk)
     _scatter_kernel[(num_blocks,)](
-        flat, block_counts, counts, order, offsets, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2
+        flat, block_counts, counts, order, offsets, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2, COUNT_HERE=False
     )
     return Routing(order, counts[:E], offsets)
