@@ -231,3 +231,12 @@ def test_empty_batch():
     x, ids, weights, w_gate_up, w_down = make_case(3, 2, 4, 16, 16, torch.float32)
     y = experts_forward(x[:0], ids[:0], weights[:0], w_gate_up, w_down)
     assert y.shape == (0, 16)
+
+
+def test_package_import_leaves_triton_alone():
+    """Importing moe_fuse.kernels must not import triton: triton fixes interpreter-or-compiler at its import."""
+    import subprocess
+    import sys
+
+    code = "import sys, moe_fuse.kernels; assert 'triton' not in sys.modules, 'triton imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={k: v for k, v in os.environ.items()})

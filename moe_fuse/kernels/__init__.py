@@ -5,10 +5,41 @@ Public:
     supports(x, ids, weights, w_gate_up, w_down) -> bool
     route(ids, num_experts) -> Routing(order, counts, offsets)
 
-Whether kernels run compiled or in the Triton interpreter is read from
-TRITON_INTERPRET at each call, not at import (see _jit.py).
+Importing this package does not import triton: triton fixes whether its own
+library (tl.sum, tl.cumsum, ...) is compiled or interpreted when it is first
+imported, from TRITON_INTERPRET. Deferring that import to the first call lets a
+test session set the variable after importing moe_fuse. Our kernels themselves
+are jitted at first launch (see _jit.py).
 """
 
-from .forward import Routing, experts_forward, route, supports
+
+def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False):
+    """See forward.experts_forward: same result as reference.experts_forward."""
+    from .forward import experts_forward as impl
+
+    return impl(x, ids, weights, w_gate_up, w_down, save_h=save_h)
+
+
+def supports(x, ids, weights, w_gate_up, w_down) -> bool:
+    """True when experts_forward handles these inputs (CUDA, or CPU under a usable Triton interpreter)."""
+    from .forward import supports as impl
+
+    return impl(x, ids, weights, w_gate_up, w_down)
+
+
+def route(ids, num_experts: int):
+    """See routing.route: the stable grouping of the rows of ids [T, k] by expert, on the device."""
+    from .routing import route as impl
+
+    return impl(ids, num_experts)
+
+
+def __getattr__(name):
+    if name == "Routing":
+        from .routing import Routing
+
+        return Routing
+    raise AttributeError(f"module 'moe_fuse.kernels' has no attribute {name!r}")
+
 
 __all__ = ["Routing", "experts_forward", "route", "supports"]

@@ -9,6 +9,11 @@ first launch under each setting, so the flag is read at call time.
 Kernels wrapped this way must not call other ``@triton.jit`` helpers: a helper
 would be fixed at import time and could disagree with its caller. Each kernel
 here is therefore self-contained.
+
+Triton's own library functions (``tl.sum``, ``tl.cumsum``, ``tl.sigmoid``) are
+jitted when ``triton.language`` is first imported, so the interpreter works
+only if TRITON_INTERPRET was set by then: ``interpreter_usable`` checks that,
+and ``moe_fuse.kernels`` imports triton only at its first call.
 """
 
 from __future__ import annotations
@@ -21,6 +26,16 @@ import triton
 def interpreting() -> bool:
     """True when Triton kernels run in the interpreter (read now, not at import)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def interpreter_usable() -> bool:
+    """TRITON_INTERPRET is set now and was set when triton.language was imported."""
+    if not interpreting():
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
 
 
 class lazy_jit:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._jit import interpreting
+from ._jit import interpreter_usable
 from .combine import combine
 from .grouped_gemm import down, gate_up
 from .routing import Routing, route
@@ -21,7 +21,7 @@ def supports(x, ids, weights, w_gate_up, w_down) -> bool:
     if any(t.device != device for t in tensors):
         return False
     if device.type == "cpu":
-        if not interpreting():
+        if not interpreter_usable():
             return False
     elif device.type != "cuda":
         return False
