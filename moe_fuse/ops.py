@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import reference
+from . import kernels, reference
 
 # --------------------------------------------------------------------------- router
 
@@ -95,6 +95,8 @@ def _check_experts_args(x, ids, weights, w_gate_up, w_down):
 @torch.library.custom_op("moe_fuse::experts", mutates_args=())
 def experts(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
     _check_experts_args(x, ids, weights, w_gate_up, w_down)
+    if x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):
+        return kernels.experts_forward(x, ids, weights, w_gate_up, w_down)
     return reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down)
 
 

@@ -48,4 +48,8 @@ def rewrite(cand: Candidate) -> int:
     inside = set(region.nodes)
     for old, new in zip(region.outputs, outs):
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in inside)
-    return remove_region(region)
+    removed = remove_region(region)
+    for item in outs:
+        if item is not call and not item.users:  # e.g. router logits nobody reads
+            graph.erase_node(item)
+    return removed

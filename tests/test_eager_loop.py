@@ -1,0 +1,36 @@
+"""transformers' `eager` experts loop cannot be captured whole: recognised, explained, results unchanged."""
+
+import warnings
+
+import torch
+
+import moe_fuse
+import moe_fuse.debug
+from models import loss_and_grads, qwen3_moe, rel_err, token_batch
+
+
+def test_eager_loop_is_explained_and_left_alone(tmp_path):
+    torch._dynamo.reset()
+    model = qwen3_moe(torch.float32)
+    model.set_experts_implementation("eager")
+    ids = token_batch()
+    eager = loss_and_grads(model, ids)
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path)}
+    moe_fuse.debug._warned.clear()  # the warning is once per process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = loss_and_grads(torch.compile(model, backend="moe_fuse", options=options), ids)
+    for a, b in zip(eager[:3], fused[:3]):
+        assert rel_err(b, a) < 1e-5
+    for name in eager[3]:
+        assert rel_err(fused[3][name], eager[3][name]) < 1e-5
+
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "unfused  eager_experts_loop" in summary and "grouped_mm" in summary
+    mine = [w for w in caught if "moe_fuse" in str(w.message)]
+    assert len(mine) == 1  # said once, not per graph or layer
+    assert "config._experts_implementation = 'grouped_mm'" in str(mine[0].message)
+    explanation = moe_fuse.explain(model, input_ids=ids)
+    assert explanation.matches == [] or all(m["pattern"] == "softmax_topk_router" for m in explanation.matches)
+    assert any(r["pattern"] == "eager_experts_loop" for r in explanation.rejected)
+    torch._dynamo.reset()

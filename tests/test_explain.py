@@ -1,0 +1,55 @@
+"""moe_fuse.explain, logging (TORCH_LOGS=+moe_fuse) and tlparse artifacts."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import moe_fuse
+from models import qwen3_moe, token_batch
+
+
+def test_explain_reports_every_block():
+    model = qwen3_moe(torch.float32)
+    explanation = moe_fuse.explain(model, input_ids=token_batch())
+    patterns = sorted(m["pattern"] for m in explanation.matches)
+    assert patterns == ["grouped_mm_experts"] * 2 + ["softmax_topk_router"] * 2
+    text = str(explanation)
+    assert text.startswith("moe_fuse explain:") and "4 rewrite(s)" in text
+    assert "fused    grouped_mm_experts" in text and "layers.1.mlp.experts" in text
+    json.dumps(explanation.to_json())
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from models import qwen3_moe, token_batch
+    model = qwen3_moe(torch.float32, num_hidden_layers=1)
+    torch.compile(model, backend="moe_fuse", options={{"moe_fuse.inner": "eager"}})(input_ids=token_batch())
+    """
+)
+
+
+def run_script(env_extra, tmp_path):
+    env = {**os.environ, **env_extra}
+    script = SCRIPT.format(tests=os.path.dirname(__file__))
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_torch_logs_shows_the_rewrite(tmp_path):
+    result = run_script({"TORCH_LOGS": "+moe_fuse"}, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "moe_fuse graph_000" in result.stderr and "fused    grouped_mm_experts" in result.stderr
+    assert "torch.ops.moe_fuse.experts.default" in result.stderr  # the after-graph, at DEBUG
+
+
+def test_trace_structured_artifacts(tmp_path):
+    result = run_script({"TORCH_TRACE": str(tmp_path)}, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    trace = "".join(p.read_text() for p in tmp_path.glob("*.log"))
+    for name in ("moe_fuse_report", "moe_fuse_graph_before", "moe_fuse_graph_after"):
+        assert f'"name": "{name}"' in trace

@@ -1,0 +1,99 @@
+"""The fused custom ops: math against a naive float64 definition, opcheck, errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.library import opcheck
+
+import moe_fuse.ops  # noqa: F401  (registers torch.ops.moe_fuse)
+
+
+def naive_experts(x, ids, weights, w_gate_up, w_down):
+    """The definition, one (token, slot) at a time; sentinel ids >= E add nothing."""
+    E = w_gate_up.shape[0]
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros_like(x[t])
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e >= E:
+                continue
+            gate, up = (w_gate_up[e] @ x[t]).chunk(2)
+            acc = acc + weights[t, j] * (w_down[e] @ (F.silu(gate) * up))
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def random_case(T=9, H=12, I=10, E=5, k=2, dtype=torch.float64, seed=0, sentinel_fraction=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen, dtype=dtype)
+    ids = torch.rand(T, E, generator=gen).argsort(-1)[:, :k]
+    if sentinel_fraction:
+        ids[torch.rand(T, k, generator=gen) < sentinel_fraction] = E
+    weights = torch.rand(T, k, generator=gen, dtype=dtype)
+    w_gate_up = torch.randn(E, 2 * I, H, generator=gen, dtype=dtype) / H**0.5
+    w_down = torch.randn(E, H, I, generator=gen, dtype=dtype) / I**0.5
+    return x, ids, weights, w_gate_up, w_down
+
+
+@pytest.mark.parametrize("sentinel_fraction", [0.0, 0.3])
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_experts_forward_and_backward_match_definition(k, sentinel_fraction):
+    x, ids, weights, w_gate_up, w_down = random_case(k=k, sentinel_fraction=sentinel_fraction)
+    leaves = [t.requires_grad_() for t in (x, weights, w_gate_up, w_down)]
+    want = naive_experts(x, ids, weights, w_gate_up, w_down)
+    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    dy = torch.randn_like(want)
+    for g_got, g_want in zip(torch.autograd.grad(got, leaves, dy), torch.autograd.grad(want, leaves, dy)):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-10)
+
+
+def test_experts_all_tokens_on_one_expert_and_empty_experts():
+    x, ids, weights, w_gate_up, w_down = random_case(k=1)
+    ids.fill_(3)
+    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down)
+    torch.testing.assert_close(got, naive_experts(x, ids, weights, w_gate_up, w_down))
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_router_matches_definition(renorm):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(11, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    logits = F.linear(x, w)
+    values, ids = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), 3, dim=-1)
+    if renorm:
+        values = values / values.sum(-1, keepdim=True)
+    logits2, weights2, ids2 = torch.ops.moe_fuse.router(x, w, 3, renorm, torch.float64)
+    assert torch.equal(ids2, ids)
+    torch.testing.assert_close(weights2, values.double())
+    d_logits, d_weights = torch.randn_like(logits), torch.randn_like(weights2)
+    want = torch.autograd.grad((logits * d_logits).sum() + (values * d_weights).sum(), (x, w))
+    got = torch.autograd.grad((logits2 * d_logits).sum() + (weights2 * d_weights).sum(), (x, w))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)  # the softmax runs in fp32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(dtype):
+    x, ids, weights, w_gate_up, w_down = (t.to(dtype) if t.is_floating_point() else t for t in random_case())
+    req = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
+    opcheck(torch.ops.moe_fuse.experts.default, (req(x), ids, req(weights), req(w_gate_up), req(w_down)))
+    dy = torch.randn_like(x)
+    opcheck(torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, weights, w_gate_up, w_down))
+    w_router = torch.randn(5, x.shape[1], dtype=dtype)
+    opcheck(torch.ops.moe_fuse.router.default, (req(x), req(w_router), 2, True, dtype))
+    logits, _, r_ids = torch.ops.moe_fuse.router(x, w_router, 2, True, dtype)
+    opcheck(
+        torch.ops.moe_fuse.router_backward.default,
+        (torch.randn_like(logits), torch.randn(r_ids.shape, dtype=dtype), x, w_router, logits, r_ids, True),
+    )
+
+
+def test_bad_shapes_are_named():
+    x, ids, weights, w_gate_up, w_down = random_case()
+    with pytest.raises(ValueError, match=r"ids \(9, 2\) and weights \(9, 3\)"):
+        torch.ops.moe_fuse.experts(x, ids, weights[:, [0, 1, 1]], w_gate_up, w_down)
+    with pytest.raises(ValueError, match="gate_up \\[E, 2I, H\\] and down \\[E, H, I\\]"):
+        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down.transpose(1, 2))

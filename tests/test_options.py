@@ -1,0 +1,52 @@
+"""torch.compile(..., options=...) handling: moe_fuse's own keys are checked, the rest go to Inductor."""
+
+import pytest
+import torch
+
+from moe_fuse.backend import Options, parse_options
+
+
+def test_defaults(monkeypatch):
+    monkeypatch.delenv("MOE_FUSE_DEBUG_DIR", raising=False)
+    assert parse_options(None) == (Options(inner="inductor", debug_dir=None, verify=True), {})
+
+
+def test_own_keys_are_taken_out_and_the_rest_passed_on():
+    opts, rest = parse_options({"moe_fuse.inner": "inductor", "moe_fuse.verify": False, "max_autotune": True})
+    assert opts == Options(inner="inductor", debug_dir=None, verify=False)
+    assert rest == {"max_autotune": True}
+
+
+def test_debug_dir_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOE_FUSE_DEBUG_DIR", str(tmp_path))
+    assert parse_options({})[0].debug_dir == str(tmp_path)
+    assert parse_options({"moe_fuse.debug_dir": "elsewhere"})[0].debug_dir == "elsewhere"
+
+
+def test_unknown_key_lists_the_valid_ones():
+    with pytest.raises(ValueError) as err:
+        parse_options({"moe_fuse.debugdir": "x"})
+    message = str(err.value)
+    assert "unknown moe_fuse option(s) ['moe_fuse.debugdir']" in message
+    for key in ("moe_fuse.inner", "moe_fuse.debug_dir", "moe_fuse.verify"):
+        assert key in message
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"moe_fuse.inner": "tvm"}, "moe_fuse.inner='tvm'; expected one of"),
+        ({"moe_fuse.verify": "yes"}, "moe_fuse.verify='yes'; expected True or False"),
+        ({"moe_fuse.inner": "eager", "max_autotune": True}, "are for Inductor, but moe_fuse.inner='eager'"),
+    ],
+)
+def test_bad_values(options, message):
+    with pytest.raises(ValueError, match=message):
+        parse_options(options)
+
+
+def test_error_reaches_the_user_through_torch_compile():
+    torch._dynamo.reset()
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="moe_fuse", options={"moe_fuse.nope": 1})
+    with pytest.raises(Exception, match="unknown moe_fuse option"):
+        compiled(torch.randn(2, 4))

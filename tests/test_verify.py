@@ -1,0 +1,82 @@
+"""Verification: a graph that looks like MoE but computes something else is left alone."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+
+E, K, H, I = 6, 2, 32, 16
+
+
+class HandWrittenMoE(torch.nn.Module):
+    """transformers' grouped_mm MoE block written out by hand, with optional deviations."""
+
+    def __init__(self, variant="exact"):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.variant = variant
+        self.router = torch.nn.Parameter(torch.randn(E, H, generator=gen) * 0.3)
+        self.gate_up = torch.nn.Parameter(torch.randn(E, 2 * I, H, generator=gen) * 0.2)
+        self.down = torch.nn.Parameter(torch.randn(E, H, I, generator=gen) * 0.2)
+
+    def forward(self, x):
+        T = x.shape[0]
+        logits = F.linear(x, self.router)
+        values, ids = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), K, dim=-1)
+        values /= values.sum(dim=-1, keepdim=True)
+        weights = values.to(x.dtype)
+        ids_sorted, perm = torch.sort(ids.reshape(-1))
+        rows = x[perm // K]
+        row_weights = weights.reshape(-1)[perm]
+        offsets = torch.cumsum(torch.histc(ids_sorted.float(), bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
+        h = torch.ops.transformers.grouped_mm_fallback(rows, self.gate_up.transpose(-2, -1), offs=offsets)
+        if self.variant == "mask_everything":  # a sentinel mask that is always true
+            h = h.masked_fill((ids_sorted >= 0).unsqueeze(-1), 0.0)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.ops.transformers.grouped_mm_fallback(F.silu(gate) * up, self.down.transpose(-2, -1), offs=offsets)
+        y = y * row_weights.unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        S = perm.shape[0]
+        if self.variant == "reversed_unpermute":  # rows returned to the wrong tokens
+            inverse[perm] = torch.arange(S - 1, -1, -1)
+        else:
+            inverse[perm] = torch.arange(S)
+        return y[inverse].view(T, K, H).sum(dim=1), logits
+
+
+def run(variant, tmp_path, verify=True):
+    torch._dynamo.reset()
+    module = HandWrittenMoE(variant)
+    x = torch.randn(10, H, generator=torch.Generator().manual_seed(3))
+    want = module(x)
+    options = {"moe_fuse.inner": "eager", "moe_fuse.debug_dir": str(tmp_path), "moe_fuse.verify": verify}
+    got = torch.compile(module, backend="moe_fuse", options=options)(x)
+    (report_file,) = tmp_path.glob("graph_*/report.json")
+    return want, got, json.loads(report_file.read_text())
+
+
+def test_hand_written_block_is_fused(tmp_path):
+    want, got, report = run("exact", tmp_path)
+    assert sorted(m["pattern"] for m in report["matches"]) == ["grouped_mm_experts", "softmax_topk_router"]
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("variant", ["reversed_unpermute", "mask_everything"])
+def test_semantic_difference_is_rejected_and_results_unchanged(variant, tmp_path):
+    want, got, report = run(variant, tmp_path)
+    assert [m["pattern"] for m in report["matches"]] == ["softmax_topk_router"]
+    (rejection,) = report["rejected"]
+    assert rejection["pattern"] == "grouped_mm_experts"
+    assert "differs: relative error" in rejection["reason"]
+    assert rejection["where"]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)  # exactly what eager gives
+
+
+def test_without_verification_the_structural_match_alone_would_be_wrong(tmp_path):
+    # Why verification is on by default: the walk accepts this graph, the probes do not.
+    want, got, report = run("reversed_unpermute", tmp_path, verify=False)
+    assert all(m["verified"] is False for m in report["matches"])
+    assert not torch.allclose(got[0], want[0])
