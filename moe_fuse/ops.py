@@ -26,6 +26,10 @@ from . import kernels, reference
 def router(
     x: Tensor, weight: Tensor, top_k: int, renorm: bool, weights_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
+    if x.is_cuda:
+        # cuBLAS for the logits (bitwise eager's), one Triton kernel for softmax + top-k + renorm + cast.
+        logits = torch.nn.functional.linear(x, weight)
+        return (logits, *kernels.softmax_topk(logits, top_k, renorm, weights_dtype))
     return reference.router_forward(x.contiguous(), weight, top_k, renorm, weights_dtype)
 
 

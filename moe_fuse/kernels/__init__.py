@@ -4,6 +4,7 @@ Public:
     experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False) -> y  (or (y, h, routing))
     supports(x, ids, weights, w_gate_up, w_down) -> bool
     route(ids, num_experts) -> Routing(order, counts, offsets)
+    softmax_topk(logits, top_k, renorm, weights_dtype) -> (weights, ids)
 
 Importing this package does not import triton: triton fixes whether its own
 library (tl.sum, tl.cumsum, ...) is compiled or interpreted when it is first
@@ -34,6 +35,13 @@ def route(ids, num_experts: int):
     return impl(ids, num_experts)
 
 
+def softmax_topk(logits, top_k: int, renorm: bool, weights_dtype):
+    """See router.softmax_topk: softmax(fp32) -> top-k -> optional renorm -> cast, in one kernel."""
+    from .router import softmax_topk as impl
+
+    return impl(logits, top_k, renorm, weights_dtype)
+
+
 def __getattr__(name):
     if name == "Routing":
         from .routing import Routing
@@ -42,4 +50,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'moe_fuse.kernels' has no attribute {name!r}")
 
 
-__all__ = ["Routing", "experts_forward", "route", "supports"]
+__all__ = ["Routing", "experts_forward", "route", "softmax_topk", "supports"]

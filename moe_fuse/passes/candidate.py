@@ -29,6 +29,9 @@ class Candidate:
     output_index: list[int | None]
     input_kinds: list[str]
     anchor: fx.Node
+    # (weights, ids) positions in region.outputs when they are a top-k selection:
+    # the order of equal weights within a row is not part of the meaning.
+    topk_outputs: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)
 
 

@@ -90,6 +90,7 @@ def match(topk: fx.Node) -> Candidate:
         output_index=[0, 1, 2],
         input_kinds=["hidden", "param"],
         anchor=topk,
+        topk_outputs=(1, 2),
     )
 
 

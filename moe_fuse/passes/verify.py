@@ -67,6 +67,21 @@ def make_probes(cand: Candidate, resolve, generator: torch.Generator) -> list[to
     return probes
 
 
+def _by_expert(weights, ids):
+    """A top-k selection with each row ordered by expert id: equal weights may come in any order."""
+    order = ids.argsort(dim=-1)
+    return weights.gather(-1, order), ids.gather(-1, order)
+
+
+def _canonical_topk(cand: Candidate, got: list, want: list) -> str | None:
+    wi, ii = cand.topk_outputs
+    if got[wi].shape[-1] > 1 and not (got[wi][..., :-1] >= got[wi][..., 1:]).all():
+        return "fused top-k weights are not in descending order"
+    got[wi], got[ii] = _by_expert(got[wi], got[ii])
+    want[wi], want[ii] = _by_expert(want[wi], want[ii])
+    return None
+
+
 def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
     """None when the fused op matches the region on the probes, else why not."""
     generator = torch.Generator().manual_seed(seed)
@@ -82,6 +97,9 @@ def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
             args = [leaves_b[cand.region.inputs.index(a)] if a in by_node else a for a in cand.op_args]
             result = cand.op(*args)
             got = [result if i is None else result[i] for i in cand.output_index]
+            want = list(want)
+            if cand.topk_outputs and (reason := _canonical_topk(cand, got, want)):
+                return reason
 
             cotangents = []
             for name, g, w in zip([n.name for n in cand.region.outputs], got, want):

@@ -1,0 +1,86 @@
+"""Softmax top-k routing in one pass over the router logits.
+
+    probs = softmax(logits, fp32); values, ids = topk(probs, k); [values /= values.sum()]; cast
+
+torch runs this as four to six kernels, and its top-k alone takes ~0.12 ms for
+16k tokens x 128 experts on an H200. Here one program holds BLOCK_T rows of
+logits in registers and picks the k largest by repeated max: one read of the
+logits, one write of the k weights and ids.
+
+Ties (equal probabilities) go to the lowest expert index; torch.topk leaves
+the order of ties unspecified.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._jit import lazy_jit
+
+
+@lazy_jit
+def _softmax_topk_kernel(
+    logits_ptr,  # [T, E], row stride stride_t
+    weights_ptr,  # [T, K] out
+    ids_ptr,  # [T, K] out, int64
+    T,
+    E,
+    stride_t,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    kk = tl.arange(0, BLOCK_K)
+    t_ok = t < T
+    valid = t_ok[:, None] & (e < E)[None, :]
+    logits = tl.load(
+        logits_ptr + t.to(tl.int64)[:, None] * stride_t + e[None, :], mask=valid, other=-float("inf")
+    ).to(tl.float32)
+    peak = tl.max(logits, axis=1)
+    p = tl.where(valid, tl.exp(logits - peak[:, None]), 0.0)
+    p = p / tl.sum(p, axis=1)[:, None]
+    p = tl.where(valid, p, -1.0)  # padding columns are never picked
+
+    values = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=1)
+        # lowest index among equal maxima
+        arg = tl.min(tl.where(p == best[:, None], e[None, :], BLOCK_E), axis=1)
+        values = tl.where(kk[None, :] == j, best[:, None], values)
+        ids = tl.where(kk[None, :] == j, arg.to(tl.int64)[:, None], ids)
+        p = tl.where(e[None, :] == arg[:, None], -1.0, p)
+    if RENORM:
+        values = values / tl.sum(values, axis=1)[:, None]  # unpicked columns hold 0
+    out = t.to(tl.int64)[:, None] * TOP_K + kk[None, :]
+    mask = t_ok[:, None] & (kk < TOP_K)[None, :]
+    tl.store(weights_ptr + out, values.to(weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + out, ids, mask=mask)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renorm: bool, weights_dtype: torch.dtype):
+    """logits [T, E] -> (weights [T, k] in ``weights_dtype``, ids [T, k] int64), as torch's
+    softmax(fp32) -> topk -> optional renorm -> cast."""
+    T, E = logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top-k {top_k} with {E} experts")
+    weights = torch.empty(T, top_k, dtype=weights_dtype, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return weights, ids
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    block_e = triton.next_power_of_2(E)
+    block_t = max(1, min(64, 4096 // block_e))  # ~4k logits per program in registers
+    _softmax_topk_kernel[(triton.cdiv(T, block_t),)](
+        logits, weights, ids, T, E, logits.stride(0),
+        TOP_K=top_k, RENORM=renorm, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+    )
+    return weights, ids
