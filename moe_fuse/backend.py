@@ -70,6 +70,8 @@ def inner_compile(gm, example_inputs, opts: Options, mode: str | None, inductor_
 
 def moe_fuse_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):
     opts, inductor_options = parse_options(options)
+    if mode is not None and opts.inner != "inductor":
+        raise ValueError(f"mode={mode!r} is an Inductor mode, but moe_fuse.inner={opts.inner!r}")
     report = debug.new_report()
     before = debug.graph_code(gm)
     run_passes(gm, example_inputs, report, verify_matches=opts.verify)

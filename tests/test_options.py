@@ -50,3 +50,10 @@ def test_error_reaches_the_user_through_torch_compile():
     compiled = torch.compile(torch.nn.Linear(4, 4), backend="moe_fuse", options={"moe_fuse.nope": 1})
     with pytest.raises(Exception, match="unknown moe_fuse option"):
         compiled(torch.randn(2, 4))
+
+
+def test_mode_needs_inductor():
+    from moe_fuse.backend import moe_fuse_backend
+
+    with pytest.raises(ValueError, match="mode='max-autotune' is an Inductor mode, but moe_fuse.inner='eager'"):
+        moe_fuse_backend(None, [], mode="max-autotune", options={"moe_fuse.inner": "eager"})

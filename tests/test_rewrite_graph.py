@@ -42,3 +42,34 @@ def forward(self, L_hidden_states_ : torch.Tensor, L_self_modules_gate_parameter
     experts_default = torch.ops.moe_fuse.experts.default(hidden_states_reshaped, getitem_11, getitem_10, l_self_modules_experts_parameters_gate_up_proj_, l_self_modules_experts_parameters_down_proj_);  hidden_states_reshaped = getitem_11 = getitem_10 = l_self_modules_experts_parameters_gate_up_proj_ = l_self_modules_experts_parameters_down_proj_ = None
     reshape_3 = experts_default.reshape(2, 5, 32);  experts_default = None
     return (reshape_3,)""")
+
+
+def test_functional_grouped_mm_spelling(tmp_path):
+    """torch.nn.functional.grouped_mm, as a graph shows it where Dynamo does not inline it to _grouped_mm."""
+    import json
+
+    import torch.nn.functional as F
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = qwen3_moe_config()
+    config._experts_implementation = "grouped_mm"
+    block = randomize(Qwen3MoeSparseMoeBlock(config)).to(torch.bfloat16)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    respelled = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target is torch._grouped_mm:
+                node.target = F.grouped_mm
+                respelled.append(node.name)
+        gm.recompile()
+        options = {"moe_fuse.inner": "eager", "moe_fuse.debug_dir": str(tmp_path)}
+        return moe_fuse_backend(gm, example_inputs, options=options)
+
+    torch._dynamo.reset()
+    got = torch.compile(block, backend=backend)(x)
+    assert len(respelled) == 2
+    (report,) = [json.loads(p.read_text()) for p in tmp_path.glob("graph_*/report.json")]
+    assert sorted(m["pattern"] for m in report["matches"]) == ["grouped_mm_experts", "softmax_topk_router"]
+    want = block(x)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 3e-2

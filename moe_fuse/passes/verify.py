@@ -50,7 +50,7 @@ def make_probes(cand: Candidate, resolve, generator: torch.Generator) -> list[to
         elif kind == "param":
             real = resolve(node)
             if real is not None:
-                probe = real.detach().clone()
+                probe = real.detach()  # read only: both sides get their own leaf over the same storage
             else:
                 probe = (torch.randn(shape, generator=generator) * shape[-1] ** -0.5).to(device=dev, dtype=dtype)
         elif kind == "expert_ids":
@@ -91,8 +91,10 @@ def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
         probes = make_probes(cand, resolve, generator)
         by_node = dict(zip(cand.region.inputs, probes))
         with torch.enable_grad():
-            leaves_a = [p.clone().requires_grad_(p.is_floating_point()) for p in probes]
-            leaves_b = [p.clone().requires_grad_(p.is_floating_point()) for p in probes]
+            # The region never writes into its inputs (collect_region refuses that), so the
+            # two sides can share the probes' storage: no copies of large expert weights.
+            leaves_a = [p.detach().requires_grad_(p.is_floating_point()) for p in probes]
+            leaves_b = [p.detach().requires_grad_(p.is_floating_point()) for p in probes]
             want = original(*leaves_a, *free)
             args = [leaves_b[cand.region.inputs.index(a)] if a in by_node else a for a in cand.op_args]
             result = cand.op(*args)
