@@ -119,11 +119,14 @@ def expect_literal(value, wanted, what: str, node: fx.Node):
         raise NoMatch(f"{what} is {value!r}, expected {wanted!r}", node)
 
 
-def only_user(node: fx.Node, *names) -> fx.Node:
-    users = list(node.users)
+def user_of(node: fx.Node, *names) -> fx.Node:
+    """The one user of ``node`` that is one of ``names``; other users may read it too
+    (they are outside the pattern, and the rewrite keeps what they need)."""
+    users = [u for u in node.users if is_op(u, *names)]
     if len(users) != 1:
-        raise NoMatch(f"{node.name} has {len(users)} users, expected one", node)
-    return expect(users[0], *names)
+        found = ", ".join(op_name(u) or str(u.target) for u in node.users) or "none"
+        raise NoMatch(f"{node.name} is read by {found}; expected one {' or '.join(names)}", node)
+    return users[0]
 
 
 def getitem_user(node: fx.Node, index: int) -> fx.Node:

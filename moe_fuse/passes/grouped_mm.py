@@ -35,7 +35,7 @@ from .graph import (
     expect_literal,
     getitem_user,
     is_op,
-    only_user,
+    user_of,
     same_size,
     shape_of,
 )
@@ -76,10 +76,10 @@ def _mm_operands(mm: fx.Node):
 
 
 def _skip_sentinel_mask(node: fx.Node):
-    """``h.masked_fill(mask, 0)`` after a grouped GEMM (EP sentinels) -> (h's single consumer, mask)."""
-    user = only_user(node, "masked_fill", "chunk", "mul")
+    """``h.masked_fill(mask, 0)`` after a grouped GEMM (EP sentinels) -> (h's next step, mask)."""
+    user = user_of(node, "masked_fill", "chunk", "mul")
     if is_op(user, "masked_fill"):
-        return only_user(user, "chunk", "mul"), user.args[1]
+        return user_of(user, "chunk", "mul"), user.args[1]
     return user, None
 
 
@@ -121,13 +121,13 @@ def match(up_mm: fx.Node) -> Candidate:
     expect_literal(arg(chunk, 1, "chunks"), 2, "chunk count", chunk)
     expect_literal(arg(chunk, 2, "dim", 0) in (-1, 1), True, "chunk over the last dim", chunk)
     gate, up = getitem_user(chunk, 0), getitem_user(chunk, 1)
-    act = only_user(gate, "silu")
-    glu = only_user(act, "mul")
+    act = user_of(gate, "silu")
+    glu = user_of(act, "mul")
     if set(glu.args) != {act, up}:
         raise NoMatch("gated activation is not silu(gate) * up", glu)
     down_mm = glu
     while not is_op(down_mm, "grouped_mm"):
-        down_mm = only_user(down_mm, "to", "grouped_mm", "contiguous")
+        down_mm = user_of(down_mm, "to", "grouped_mm", "contiguous")
     a2, w_d_t, offs2 = _mm_operands(down_mm)
     if offs2 is not offs:
         raise NoMatch("the two grouped GEMMs use different offsets", down_mm)
@@ -149,17 +149,17 @@ def match(up_mm: fx.Node) -> Candidate:
     if shape_of(weights) != shape_of(ids):
         raise NoMatch(f"routing weights {shape_of(weights)} and ids {shape_of(ids)} differ in shape", flat_w)
 
-    unperm = only_user(scale, "getitem")
+    unperm = user_of(scale, "getitem")
     inv = unperm.args[1]
     expect(inv, "empty_like")
     writes = [u for u in inv.users if is_op(u, "setitem")]
     if len(writes) != 1 or writes[0].args[1] is not perm or not is_op(writes[0].args[2], "arange"):
         raise NoMatch("the un-permutation is not inv[perm] = arange(S)", inv)
-    view = only_user(unperm, "view", "reshape")
+    view = user_of(unperm, "view", "reshape")
     dims = list(view.args[1:]) if len(view.args) > 2 else list(view.args[1])
     if len(dims) != 3 or dims[1] != k or dims[2] not in (H, -1):
         raise NoMatch(f"combine views rows as {dims}, expected [T, {k}, {H}]", view)
-    total = only_user(view, "sum")
+    total = user_of(view, "sum")
     expect_literal(arg(total, 1, "dim"), 1, "combine sum dim", total)
     if arg(total, 2, "keepdim", False):
         raise NoMatch("combine sum keeps its dim", total)
@@ -199,6 +199,8 @@ def find(graph: fx.Graph) -> list[Candidate | Rejection]:
     for node in graph.nodes:
         if not is_op(node, "grouped_mm") or node in seen_down:
             continue
+        if not node.args or not is_op(_skip_casts(node.args[0]), "getitem"):
+            continue  # not fed by gathered token rows: a down projection, or no MoE at all
         try:
             cand = match(node)
             seen_down.update(n for n in cand.region.nodes if is_op(n, "grouped_mm"))
