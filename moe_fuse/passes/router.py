@@ -1,10 +1,10 @@
-"""Softmax top-k routers (Qwen2/3-MoE, OLMoE style), as transformers 5.x writes them:
+"""Softmax top-k routers (Qwen2/3-MoE, OLMoE, Mixtral style), as transformers 5.x writes them:
 
     logits = linear(x, W_router)
-    probs = softmax(logits, dim=-1, dtype=float32)
+    probs = softmax(logits, dim=-1, dtype=float32)       # Mixtral: softmax(logits.float(), dim=-1)
     values, ids = topk(probs, k, dim=-1)
-    values /= values.sum(dim=-1, keepdim=True)      # only if norm_topk_prob
-    weights = values.to(logits.dtype)
+    values /= values.sum(dim=-1, keepdim=True)           # only if norm_topk_prob
+    weights = values.to(logits.dtype)                    # Mixtral keeps fp32 weights: no cast
 
 Anchored on ``topk``; the logits stay an output of the fused op because the
 auxiliary load-balancing loss reads them.
@@ -40,7 +40,11 @@ def match(topk: fx.Node) -> Candidate:
     expect(probs, "softmax")
     logits = arg(probs, 0, "input")
     _last_dim(arg(probs, 1, "dim"), len(shape_of(logits)), probs)
-    expect_literal(probs.kwargs.get("dtype", arg(probs, 3, "dtype")), torch.float32, "softmax dtype", probs)
+    # softmax(logits, dtype=float32) (Qwen, OLMoE) or softmax(logits.float()) (Mixtral): fp32 either way.
+    softmax_dtype = probs.kwargs.get("dtype", arg(probs, 3, "dtype")) or dtype_of(logits)
+    expect_literal(softmax_dtype, torch.float32, "softmax dtype", probs)
+    if is_op(logits, "float") or (is_op(logits, "to") and logits.args[1:] == (torch.float32,)):
+        logits = logits.args[0]
 
     expect(logits, "linear")
     x, w_router = arg(logits, 0, "input"), arg(logits, 1, "weight")
@@ -104,6 +108,9 @@ def find(graph: fx.Graph) -> list[Candidate | Rejection]:
                 # Only a top-k of softmax(linear(...)) looks like a router; anything
                 # else (e.g. the load-balancing loss) is not worth a report line.
                 probs = arg(node, 0, "input")
-                if is_op(probs, "softmax") and is_op(arg(probs, 0, "input"), "linear"):
+                scores = arg(probs, 0, "input")
+                if is_op(scores, "float", "to"):
+                    scores = scores.args[0]
+                if is_op(probs, "softmax") and is_op(scores, "linear"):
                     found.append(Rejection(PATTERN, e.reason, e.node or node))
     return found
