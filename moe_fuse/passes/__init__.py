@@ -12,12 +12,12 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 
-from . import eager_loop, grouped_mm, router
+from . import batched_mm, eager_loop, grouped_mm, router
 from .candidate import Candidate, Rejection
 from .rewrite import rewrite
 from .verify import verify
 
-PATTERN_MODULES = (grouped_mm, router, eager_loop)  # also the rewrite order
+PATTERN_MODULES = (grouped_mm, batched_mm, router, eager_loop)  # also the rewrite order
 
 
 class RealValues:
