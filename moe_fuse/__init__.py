@@ -6,7 +6,7 @@ small and imports torch lazily: ``TORCH_LOGS=+moe_fuse`` imports it while
 ``import torch`` is still running.
 """
 
-__all__ = ["explain", "moe_fuse_backend"]
+__all__ = ["explain", "moe_fuse_backend", "register_experts_implementation"]
 
 
 def __getattr__(name):
@@ -18,4 +18,8 @@ def __getattr__(name):
         from .backend import moe_fuse_backend
 
         return moe_fuse_backend
+    if name == "register_experts_implementation":
+        from .integrations.transformers import register_experts_implementation
+
+        return register_experts_implementation
     raise AttributeError(f"module 'moe_fuse' has no attribute {name!r}")

@@ -1,0 +1,98 @@
+"""``moe_fuse`` as a transformers experts implementation, for eager mode (no torch.compile).
+
+    import moe_fuse
+    moe_fuse.register_experts_implementation()
+    model.set_experts_implementation("moe_fuse")     # or from_pretrained(..., experts_implementation="moe_fuse")
+
+registers a forward ``(self, hidden_states, top_k_index, top_k_weights) -> Tensor``
+in transformers' ``ALL_EXPERTS_FUNCTIONS``. On an experts module with the
+standard layout (gate_up [E, 2I, H] with the gate rows first, down [E, H, I], no
+bias, not transposed, silu, no post-expert norm, transformers' own gating) it is
+one ``torch.ops.moe_fuse.experts`` call, forward and backward. Any other module
+runs transformers' ``grouped_mm`` forward instead, with a warning (once per
+module class and reason) that says why.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+NAME = "moe_fuse"
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _is_silu(act) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return act is F.silu or type(act) in (SiLUActivation, torch.nn.SiLU)
+
+
+def unsupported_reason(module) -> str | None:
+    """Why ``module`` cannot run as ``torch.ops.moe_fuse.experts``; None when it can."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    if not getattr(module, "has_gate", False):
+        return "experts without a gate (an up projection only)"
+    if getattr(module, "is_transposed", False):
+        return "expert weights stored transposed ([E, in, out])"
+    if getattr(module, "has_bias", False):
+        return "expert projections with a bias"
+    if not getattr(module, "is_concatenated", True):
+        return "gate and up rows interleaved in gate_up_proj, not concatenated"
+    if getattr(module, "has_post_expert_norm", False):
+        return "a norm after each expert"
+    if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return f"a custom gating function ({type(module).__name__}._apply_gate)"
+    if not _is_silu(getattr(module, "act_fn", None)):
+        return f"activation {type(getattr(module, 'act_fn', None)).__name__}, not silu"
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(module, name, None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            return f"no 3-D {name} parameter"
+    E, two_i, H = module.gate_up_proj.shape
+    if two_i % 2 or tuple(module.down_proj.shape) != (E, H, two_i // 2):
+        return f"gate_up_proj {tuple(module.gate_up_proj.shape)} and down_proj {tuple(module.down_proj.shape)} " \
+               "are not [E, 2I, H] and [E, H, I]"
+    return None
+
+
+def _warn_once(module, reason: str):
+    key = (type(module).__name__, reason)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(
+        f"moe_fuse experts implementation: {type(module).__name__} has {reason}, which "
+        "torch.ops.moe_fuse.experts does not compute; running transformers' grouped_mm forward instead.",
+        stacklevel=3,
+    )
+
+
+def moe_fuse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    reason = unsupported_reason(self)
+    if reason is not None:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        _warn_once(self, reason)
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
+
+    return torch.ops.moe_fuse.experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
+def register_experts_implementation(name: str = NAME) -> str:
+    """Register the moe_fuse experts forward with transformers under ``name``; returns the name.
+
+    Afterwards ``model.set_experts_implementation(name)`` (or
+    ``from_pretrained(..., experts_implementation=name)``) runs every standard
+    experts module as one fused op. Calling it again is harmless.
+    """
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(name, moe_fuse_experts_forward)
+    return name
