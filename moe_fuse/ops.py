@@ -114,8 +114,11 @@ def _(x, ids, weights, w_gate_up, w_down):
 def experts_backward(
     dy: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    # The gradient of a sum arrives with stride 0: make it a real tensor first.
-    grads = reference.experts_backward(dy.contiguous(), x.contiguous(), ids, weights, w_gate_up, w_down)
+    if dy.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):
+        grads = kernels.experts_backward(dy, x, ids, weights, w_gate_up, w_down)  # makes dy contiguous itself
+    else:
+        # The gradient of a sum arrives with stride 0: make it a real tensor first.
+        grads = reference.experts_backward(dy.contiguous(), x.contiguous(), ids, weights, w_gate_up, w_down)
     return tuple(g.contiguous() for g in grads)
 
 

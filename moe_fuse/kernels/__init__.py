@@ -2,6 +2,7 @@
 
 Public:
     experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False) -> y  (or (y, h, routing))
+    experts_backward(dy, x, ids, weights, w_gate_up, w_down) -> (dx, d_weights, d_w_gate_up, d_w_down)
     supports(x, ids, weights, w_gate_up, w_down) -> bool
     route(ids, num_experts) -> Routing(order, counts, offsets)
     softmax_topk(logits, top_k, renorm, weights_dtype) -> (weights, ids)
@@ -19,6 +20,13 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False)
     from .forward import experts_forward as impl
 
     return impl(x, ids, weights, w_gate_up, w_down, save_h=save_h)
+
+
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down):
+    """See backward.experts_backward: same result as reference.experts_backward (under the same ``supports``)."""
+    from .backward import experts_backward as impl
+
+    return impl(dy, x, ids, weights, w_gate_up, w_down)
 
 
 def supports(x, ids, weights, w_gate_up, w_down) -> bool:
@@ -50,4 +58,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'moe_fuse.kernels' has no attribute {name!r}")
 
 
-__all__ = ["Routing", "experts_forward", "route", "softmax_topk", "supports"]
+__all__ = ["Routing", "experts_backward", "experts_forward", "route", "softmax_topk", "supports"]

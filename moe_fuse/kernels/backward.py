@@ -1,0 +1,630 @@
+"""The experts block backward from Triton kernels: same result as ``reference.experts_backward``.
+
+Four GEMM launches and a few small ones, no atomics (bitwise repeatable), no host sync:
+
+0. ``route`` again (three tiny launches): cheaper than saving the permutation in the
+   forward, and it keeps the custom op's saved inputs unchanged.
+1. ``_dgrad_kernel`` over [S, I] tiles in sorted order, K = H. One K loop feeds three
+   accumulators that share the gathered rows of one token: g = dy[tok] @ W_down[e]
+   and the recomputed pre-activation gate | up = x[tok] @ W_gate_up[e]^T. Recomputing h
+   here instead of calling gate_up(save_h=True) costs no extra FLOPs (gate_up would
+   recompute it too), saves a launch and an [S, 2I] write + read, and gives h in fp32
+   as the reference has it. The epilogue writes
+     d_h = dSwiGLU(weight * g)            [S, 2I] gate | up, weights' dtype
+     aw  = weight * silu(gate) * up       [S, I]   (A operand of dW_down)
+     per-N-tile partial sums of g * a     [n_tiles, S] fp32 (d_weights, summed in step 4)
+2. ``_dx_kernel``: d_h[p] @ W_gate_up[e] -> [S, H], each row written to its
+   (token, slot) place; ``combine`` then sums the k slots in a fixed order (fp32).
+3. ``_wgrad_kernel`` twice, one program per (expert, M-tile, N-tile), K = the
+   expert's rows (zero rows: zeros), experts with the most rows first:
+     dW_down[e]    = dy[tok]^T @ aw     [H, I]
+     dW_gate_up[e] = d_h^T @ x[tok]     [2I, H]
+4. ``_dweights_kernel``: sums the partials in tile order and puts d_weights back in
+   [T, k] order (sentinel rows: zero).
+
+dx needs d_h, which needs the whole dgrad row block, so steps 1 and 2 cannot share a program:
+d_h makes one round trip through memory ([S, 2I], weights' dtype), as in any unfused backward.
+
+GEMM operands are the weights' dtype (dy and x are cast to it, as the forward casts x),
+accumulation is fp32; d_h and aw are stored in the weights' dtype, which is where this
+differs from the all-fp32 reference (a few 1e-3 relative in bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._jit import interpreting, lazy_jit
+from .combine import combine
+from .forward import supports
+from .grouped_gemm import GemmConfig, _dot_precision, _m_tiles_bound, _tma_ok, default_config
+from .routing import Routing, route
+
+# --------------------------------------------------------------------------- kernels
+
+
+@lazy_jit
+def _dgrad_kernel(
+    dy_ptr,  # [T, H] contiguous
+    x_ptr,  # [T, H] strided
+    order_ptr,  # [S] int32, sorted position -> row
+    counts_ptr,  # [E] int32
+    rw_ptr,  # [S] routing weights, by row
+    wgu_ptr,  # [E, 2I, H]
+    wgu_desc,  # [E * 2I, H] view, blocks [BLOCK_N, BLOCK_K] (USE_TMA only)
+    wd_ptr,  # [E, H, I]
+    wd_desc,  # [E * H, I] view, blocks [BLOCK_K, BLOCK_N] (USE_TMA only)
+    dh_ptr,  # [S, 2I] out, sorted order
+    aw_ptr,  # [S, I] out, sorted order
+    part_ptr,  # [num_n_tiles, S] fp32 out: sum over the tile's columns of g * a
+    S,
+    H,
+    I,
+    E,
+    num_m_tiles,
+    stride_xt,
+    stride_xh,
+    stride_gue,
+    stride_gun,
+    stride_guh,
+    stride_wde,
+    stride_wdh,
+    stride_wdi,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_P2: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # ---- program -> (M-tile, N-tile), GROUP_M M-tiles at a time for L2 reuse (as in grouped_gemm.py)
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(I, BLOCK_N)
+    per_group = GROUP_M * num_n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    # ---- M-tile -> expert (lazy_jit kernels cannot share helpers: same code as grouped_gemm.py)
+    bins = tl.arange(0, E_P2)
+    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    if pid_m >= tl.sum(tiles, axis=0):
+        return
+    before = tl.cumsum(tiles, axis=0) <= pid_m
+    expert = tl.sum(before.to(tl.int32), axis=0)
+    tile_in_expert = pid_m - tl.sum(tl.where(before, tiles, 0), axis=0)
+    row_begin = tl.sum(tl.where(before, counts, 0), axis=0)
+    row_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
+
+    m = tile_in_expert * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = m < row_count
+    pos = row_begin + m
+    src = tl.load(order_ptr + pos, mask=row_valid, other=0)
+    token = (src // TOP_K).to(tl.int64)  # rows past the expert's end read token 0: never stored
+
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns past I: W_gate^T tiles clamp their (strided) column index, the W_down tile masks its
+    # contiguous one (a clamp there would hide the contiguity and lose vectorised, pipelined loads).
+    # Neither is stored, and both are masked out of the row sums.
+    n_load = tl.minimum(n, I - 1)
+    n_in = (n < I)[None, :]
+    kk = tl.arange(0, BLOCK_K)
+    dy_ptrs = dy_ptr + token[:, None] * H + kk[None, :]
+    x_ptrs = x_ptr + token[:, None] * stride_xt + kk[None, :] * stride_xh
+    e64 = expert.to(tl.int64)
+    # W_down[e] tile [K, N] and W_gate[e]^T tile [K, N]
+    d_ptrs = wd_ptr + e64 * stride_wde + kk[:, None] * stride_wdh + n[None, :] * stride_wdi
+    g_ptrs = wgu_ptr + e64 * stride_gue + n_load[None, :] * stride_gun + kk[:, None] * stride_guh
+    up_offset = I * stride_gun
+    gate_row = expert * (2 * I) + pid_n * BLOCK_N  # USE_TMA: row of the [E * 2I, H] view
+    down_row = expert * H  # USE_TMA: row of the [E * H, I] view; a K tail reads the next expert times dy's zeros
+
+    w_dtype = wgu_ptr.dtype.element_ty
+    acc_d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a_dy = tl.load(dy_ptrs)
+            a_x = tl.load(x_ptrs)
+        else:
+            k_row = ((k0 + kk) < H)[None, :]
+            a_dy = tl.load(dy_ptrs, mask=k_row, other=0.0)
+            a_x = tl.load(x_ptrs, mask=k_row, other=0.0)
+        if USE_TMA:
+            bd = wd_desc.load([down_row + k0, pid_n * BLOCK_N])
+            bg = wgu_desc.load([gate_row, k0]).T
+            bu = wgu_desc.load([gate_row + I, k0]).T
+        elif EVEN_K:
+            bd = tl.load(d_ptrs, mask=n_in, other=0.0)
+            bg = tl.load(g_ptrs)
+            bu = tl.load(g_ptrs + up_offset)
+        else:
+            k_col = ((k0 + kk) < H)[:, None]
+            bd = tl.load(d_ptrs, mask=k_col & n_in, other=0.0)
+            bg = tl.load(g_ptrs, mask=k_col, other=0.0)
+            bu = tl.load(g_ptrs + up_offset, mask=k_col, other=0.0)
+        a_dy = a_dy.to(w_dtype)
+        a_x = a_x.to(w_dtype)
+        if INTERPRET:  # bf16 tl.dot is wrong in the triton 3.6 interpreter
+            a_dy = a_dy.to(tl.float32)
+            a_x = a_x.to(tl.float32)
+            bd = bd.to(tl.float32)
+            bg = bg.to(tl.float32)
+            bu = bu.to(tl.float32)
+        acc_d = tl.dot(a_dy, bd, acc_d, input_precision=DOT_PRECISION)
+        acc_g = tl.dot(a_x, bg, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a_x, bu, acc_u, input_precision=DOT_PRECISION)
+        dy_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xh
+        d_ptrs += BLOCK_K * stride_wdh
+        g_ptrs += BLOCK_K * stride_guh
+
+    # ---- epilogue, fp32: SwiGLU recomputed, its backward, the routing-weight gradient's partial sum
+    rw = tl.load(rw_ptr + src, mask=row_valid, other=0.0).to(tl.float32)[:, None]
+    sig = tl.sigmoid(acc_g)
+    act = acc_g * sig  # silu(gate)
+    a = act * acc_u
+    partial = tl.sum(tl.where(n_in, acc_d * a, 0.0), axis=1)
+    d_a = rw * acc_d
+    d_gate = d_a * acc_u * sig * (1.0 + acc_g * (1.0 - sig))
+    d_up = d_a * act
+
+    out_mask = row_valid[:, None] & n_in
+    pos64 = pos.to(tl.int64)
+    dh_ptrs = dh_ptr + pos64[:, None] * (2 * I) + n[None, :]
+    tl.store(dh_ptrs, d_gate.to(dh_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(dh_ptrs + I, d_up.to(dh_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(aw_ptr + pos64[:, None] * I + n[None, :], (rw * a).to(aw_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(part_ptr + pid_n.to(tl.int64) * S + pos64, partial, mask=row_valid)
+
+
+@lazy_jit
+def _dx_kernel(
+    dh_ptr,  # [S, 2I] sorted order
+    dh_desc,  # blocks [BLOCK_M, BLOCK_K] (USE_TMA only)
+    order_ptr,  # [S] int32
+    counts_ptr,  # [E] int32
+    wgu_ptr,  # [E, 2I, H]
+    wgu_desc,  # [E * 2I, H] view, blocks [BLOCK_K, BLOCK_N] (USE_TMA only)
+    out_ptr,  # [S, H] out, by row (= [T, k, H])
+    H,
+    I,
+    E,
+    num_m_tiles,
+    stride_gue,
+    stride_gun,
+    stride_guh,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_P2: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(H, BLOCK_N)
+    per_group = GROUP_M * num_n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    bins = tl.arange(0, E_P2)
+    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    if pid_m >= tl.sum(tiles, axis=0):
+        return
+    before = tl.cumsum(tiles, axis=0) <= pid_m
+    expert = tl.sum(before.to(tl.int32), axis=0)
+    tile_in_expert = pid_m - tl.sum(tl.where(before, tiles, 0), axis=0)
+    row_begin = tl.sum(tl.where(before, counts, 0), axis=0)
+    row_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
+
+    m = tile_in_expert * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = m < row_count
+    pos = row_begin + tl.where(row_valid, m, 0)  # invalid rows re-read the expert's first row
+    src = tl.load(order_ptr + pos)
+
+    two_i = 2 * I
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = (n < H)[None, :]  # a mask, not a clamp: H is the contiguous dimension of the W tile
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = dh_ptr + pos.to(tl.int64)[:, None] * two_i + kk[None, :]
+    b_ptrs = wgu_ptr + expert.to(tl.int64) * stride_gue + kk[:, None] * stride_gun + n[None, :] * stride_guh
+    a_row = row_begin + tile_in_expert * BLOCK_M  # USE_TMA
+    w_row = expert * two_i  # USE_TMA; a K tail reads the next expert's rows times d_h's zero columns
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, two_i, BLOCK_K):
+        if USE_TMA:
+            a = dh_desc.load([a_row, k0])
+            b = wgu_desc.load([w_row + k0, pid_n * BLOCK_N])
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=n_in, other=0.0)
+        else:
+            k_ok = (k0 + kk) < two_i
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_in, other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_gun
+
+    out_mask = row_valid[:, None] & n_in
+    tl.store(out_ptr + src.to(tl.int64)[:, None] * H + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@lazy_jit
+def _wgrad_kernel(
+    l_ptr,  # rows of the left operand (its columns are the output's M)
+    r_ptr,  # rows of the right operand (its columns are the output's N)
+    order_ptr,  # [S] int32
+    offsets_ptr,  # [E + 1] int32
+    experts_ptr,  # [E] int32: experts by decreasing row count (the longest reductions start first)
+    out_ptr,  # [E, M, N] contiguous, out
+    M,
+    N,
+    num_m_tiles,
+    num_n_tiles,
+    stride_lr,
+    stride_lc,
+    stride_rr,
+    stride_rc,
+    TOP_K: tl.constexpr,
+    L_GATHER: tl.constexpr,  # row of p is token(p) (True) or p itself (False)
+    R_GATHER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """out[e] = L[rows of e]^T @ R[rows of e]: a GEMM whose reduction runs over the expert's rows."""
+    pid = tl.program_id(0)
+    per_expert = num_m_tiles * num_n_tiles
+    expert = tl.load(experts_ptr + pid // per_expert)
+    t = pid % per_expert
+    per_group = GROUP_M * num_n_tiles
+    first_m = (t // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (t % per_group) % group_rows
+    pid_n = (t % per_group) // group_rows
+
+    row_begin = tl.load(offsets_ptr + expert)
+    row_count = tl.load(offsets_ptr + expert + 1) - row_begin
+
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Masks, not clamps, on the columns: they are the contiguous dimension of both operands.
+    m_in = (m < M)[None, :]
+    n_in = (n < N)[None, :]
+    kk = tl.arange(0, BLOCK_K)
+    out_dtype = out_ptr.dtype.element_ty
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, row_count, BLOCK_K):
+        k_ok = (k0 + kk) < row_count
+        pos = row_begin + k0 + kk
+        token = (tl.load(order_ptr + pos, mask=k_ok, other=0) // TOP_K).to(tl.int64)  # unused when neither gathers
+        if L_GATHER:
+            l_rows = token
+        else:
+            l_rows = pos.to(tl.int64)
+        if R_GATHER:
+            r_rows = token
+        else:
+            r_rows = pos.to(tl.int64)
+        # Rows past the expert's end belong to the next expert: both operands read zeros there.
+        lt = tl.load(l_ptr + l_rows[:, None] * stride_lr + m[None, :] * stride_lc, mask=k_ok[:, None] & m_in, other=0.0)
+        rt = tl.load(r_ptr + r_rows[:, None] * stride_rr + n[None, :] * stride_rc, mask=k_ok[:, None] & n_in, other=0.0)
+        lt = lt.to(out_dtype)
+        rt = rt.to(out_dtype)
+        if INTERPRET:
+            lt = lt.to(tl.float32)
+            rt = rt.to(tl.float32)
+        acc = tl.dot(tl.trans(lt), rt, acc, input_precision=DOT_PRECISION)
+
+    out_mask = (m < M)[:, None] & n_in
+    out_ptrs = out_ptr + expert.to(tl.int64) * M * N + m.to(tl.int64)[:, None] * N + n[None, :]
+    tl.store(out_ptrs, acc.to(out_dtype), mask=out_mask)
+
+
+@lazy_jit
+def _dweights_kernel(
+    part_ptr,  # [num_parts, S] fp32, sorted order
+    order_ptr,  # [S] int32
+    offsets_ptr,  # [E + 1] int32; offsets[E] = routed rows
+    out_ptr,  # [S] by row (= [T, k]) out
+    S,
+    E,
+    num_parts,
+    BLOCK: tl.constexpr,
+):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = p < S
+    routed = p < tl.load(offsets_ptr + E)  # sentinel rows sort last and get zero
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(num_parts):  # fixed order: bitwise repeatable
+        acc += tl.load(part_ptr + j * S + p, mask=valid & routed, other=0.0)
+    row = tl.load(order_ptr + p, mask=valid, other=0)
+    tl.store(out_ptr + row, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    dgrad: GemmConfig  # [S, I] tiles, K = H, three accumulators
+    dx: GemmConfig  # [S, H] tiles, K = 2I
+    wgrad: GemmConfig  # per expert [H, I] and [2I, H] tiles, K = the expert's rows
+
+
+INTERPRETER_BACKWARD_CONFIG = BackwardConfig(
+    GemmConfig(16, 32, 32, 1, 4, 1), GemmConfig(16, 32, 32, 1, 4, 1), GemmConfig(32, 32, 16, 1, 4, 1)
+)
+
+
+def default_backward_config(S: int, E: int, H: int, I: int, dtype: torch.dtype) -> BackwardConfig:
+    """Block shapes from the average rows per expert (a bucket of S / E, so new batch sizes compile nothing new).
+
+    Large-batch shapes: see bench/KERNELS_NOTES.md (backward section) for the H200 sweep.
+    """
+    if interpreting():
+        return INTERPRETER_BACKWARD_CONFIG
+    rows = S / max(E, 1)
+    wide = dtype != torch.float32
+    bk = 64 if wide else 32
+    # dx has the forward down GEMM's shape family ([S, N] tiles, a K loop over the weights).
+    dx = default_config("down", S, E, H, 2 * I, dtype)
+    if not wide:
+        # fp32 (tf32 dots) holds more in registers: larger dgrad tiles spill (ptxas, sm_90a). Not a speed target.
+        dgrad = GemmConfig(32, 32, 64, 1, 4, 3)
+    elif rows <= 16:
+        dgrad = GemmConfig(16, 32, 2 * bk, 1, 4, 4)  # decode: streaming the weights is the cost
+    elif rows <= 48:
+        dgrad = GemmConfig(32, 64, 2 * bk, 1, 4, 4)
+    elif rows <= 160:
+        dgrad = GemmConfig(64, 64, bk, 1, 4, 4)  # 64x128 (the forward's) spills here and overflows shared memory
+    else:
+        # Three 128x64 fp32 accumulators = 96 registers a thread at 8 warps (3 x 128x128 would spill).
+        dgrad = GemmConfig(128, 64, bk, 8, 8, 3, use_tma=wide)
+    return BackwardConfig(dgrad, dx, _wgrad_config(S, E, dtype))
+
+
+def _wgrad_config(S: int, E: int, dtype: torch.dtype) -> GemmConfig:
+    if interpreting():
+        return INTERPRETER_BACKWARD_CONFIG.wgrad
+    bk = 64 if dtype != torch.float32 else 32
+    if S / max(E, 1) <= 160:
+        # Short reductions: the cost is writing [M, N] per expert; smaller tiles, more programs.
+        return GemmConfig(64, 128, bk, 4, 4, 3)
+    return GemmConfig(128, 128, bk, 8, 8, 3)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config: GemmConfig | None = None):
+    """(d_h [S, 2I], aw [S, I], partials [n_tiles, S] fp32), all in sorted order; see the module docstring.
+
+    dy [T, H] contiguous, rw [S] the routing weights by row (contiguous).
+    """
+    E, two_i, H = w_gate_up.shape
+    I = two_i // 2
+    S = routing.order.numel()
+    cfg = config or default_backward_config(S, E, H, I, w_gate_up.dtype).dgrad
+    num_n = triton.cdiv(I, cfg.block_n)
+    dh = torch.empty(S, two_i, dtype=w_gate_up.dtype, device=x.device)
+    aw = torch.empty(S, I, dtype=w_gate_up.dtype, device=x.device)
+    part = torch.empty(num_n, S, dtype=torch.float32, device=x.device)
+    use_tma = cfg.use_tma and _tma_ok(w_gate_up) and _tma_ok(w_down)
+    gu_desc = None
+    wd_desc = None
+    if use_tma:
+        gu_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * two_i, H), [cfg.block_n, cfg.block_k])
+        wd_desc = TensorDescriptor.from_tensor(w_down.view(E * H, I), [cfg.block_k, cfg.block_n])
+    num_m = _m_tiles_bound(S, E, cfg.block_m)
+    _dgrad_kernel[(num_m * num_n,)](
+        dy,
+        x,
+        routing.order,
+        routing.counts,
+        rw,
+        w_gate_up,
+        gu_desc,
+        w_down,
+        wd_desc,
+        dh,
+        aw,
+        part,
+        S,
+        H,
+        I,
+        E,
+        num_m,
+        x.stride(0),
+        x.stride(1),
+        *w_gate_up.stride(),
+        *w_down.stride(),
+        TOP_K=top_k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        E_P2=triton.next_power_of_2(E),
+        EVEN_K=H % cfg.block_k == 0,
+        USE_TMA=use_tma,
+        INTERPRET=interpreting(),
+        DOT_PRECISION=_dot_precision(w_gate_up.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return dh, aw, part
+
+
+def dx_slots(dh, routing: Routing, w_gate_up, out_dtype, *, config: GemmConfig | None = None):
+    """[S, H] by row (token * k + slot): d_h[p] @ W_gate_up[e]; sentinel rows are not written."""
+    E, two_i, H = w_gate_up.shape
+    S = routing.order.numel()
+    out = torch.empty(S, H, dtype=out_dtype, device=dh.device)
+    cfg = config or default_backward_config(S, E, H, two_i // 2, w_gate_up.dtype).dx
+    use_tma = cfg.use_tma and _tma_ok(w_gate_up) and _tma_ok(dh)
+    dh_desc = gu_desc = None
+    if use_tma:
+        dh_desc = TensorDescriptor.from_tensor(dh, [cfg.block_m, cfg.block_k])
+        gu_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * two_i, H), [cfg.block_k, cfg.block_n])
+    num_m = _m_tiles_bound(S, E, cfg.block_m)
+    _dx_kernel[(num_m * triton.cdiv(H, cfg.block_n),)](
+        dh,
+        dh_desc,
+        routing.order,
+        routing.counts,
+        w_gate_up,
+        gu_desc,
+        out,
+        H,
+        two_i // 2,
+        E,
+        num_m,
+        *w_gate_up.stride(),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        E_P2=triton.next_power_of_2(E),
+        EVEN_K=two_i % cfg.block_k == 0,
+        USE_TMA=use_tma,
+        INTERPRET=interpreting(),
+        DOT_PRECISION=_dot_precision(w_gate_up.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def experts_by_rows(routing: Routing) -> torch.Tensor:
+    """[E] int32, experts by decreasing row count (ties by index): the wgrad grid's order.
+
+    With uneven routing an expert's reduction can be many times the mean; starting those first
+    keeps them off the tail of the grid (longest-processing-time-first scheduling).
+    """
+    return torch.sort(routing.counts, descending=True, stable=True).indices.to(torch.int32)
+
+
+def wgrad(left, l_gather: bool, right, r_gather: bool, routing: Routing, num_experts: int, top_k: int, out_dtype,
+          *, config: GemmConfig | None = None, experts_by_load: torch.Tensor | None = None):
+    """[E, M, N] with out[e] = left[rows of e]^T @ right[rows of e]; a gathered operand is indexed by token.
+
+    left [*, M] and right [*, N] are 2-D with any strides; every expert's block is written (zeros without rows).
+    """
+    M, N = left.shape[1], right.shape[1]
+    E = num_experts
+    S = routing.order.numel()
+    out = torch.empty(E, M, N, dtype=out_dtype, device=left.device)
+    cfg = config or _wgrad_config(S, E, out_dtype)
+    num_m, num_n = triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n)
+    if experts_by_load is None:
+        experts_by_load = experts_by_rows(routing)
+    _wgrad_kernel[(E * num_m * num_n,)](
+        left,
+        right,
+        routing.order,
+        routing.offsets,
+        experts_by_load,
+        out,
+        M,
+        N,
+        num_m,
+        num_n,
+        left.stride(0),
+        left.stride(1),
+        right.stride(0),
+        right.stride(1),
+        TOP_K=top_k,
+        L_GATHER=l_gather,
+        R_GATHER=r_gather,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        INTERPRET=interpreting(),
+        DOT_PRECISION=_dot_precision(out_dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def d_weights_by_row(part, routing: Routing, num_experts: int, out_dtype):
+    """[S] by row: the partials summed in tile order; sentinel rows zero."""
+    S = routing.order.numel()
+    out = torch.empty(S, dtype=out_dtype, device=part.device)
+    block = 1024
+    _dweights_kernel[(triton.cdiv(S, block),)](
+        part, routing.order, routing.offsets, out, S, num_experts, part.shape[0], BLOCK=block, num_warps=4
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down, *, config: BackwardConfig | None = None):
+    """(dx, d_weights, d_w_gate_up, d_w_down): the semantics and dtypes of ``reference.experts_backward``.
+
+    dy [T, H] (any strides, stride 0 included), x [T, H], ids [T, k] (ids >= E: expert-parallel
+    sentinels, zero contribution and zero gradient), weights [T, k], w_gate_up [E, 2I, H],
+    w_down [E, H, I]. Outputs are contiguous, in the dtypes of x, weights, w_gate_up, w_down.
+    """
+    T, H = x.shape
+    k = ids.shape[1]
+    E, two_i, _ = w_gate_up.shape
+    I = two_i // 2
+    S = T * k
+    dev = x.device
+    if S == 0:
+        return (
+            torch.zeros(T, H, dtype=x.dtype, device=dev),
+            torch.zeros(T, k, dtype=weights.dtype, device=dev),
+            torch.zeros(w_gate_up.shape, dtype=w_gate_up.dtype, device=dev),
+            torch.zeros(w_down.shape, dtype=w_down.dtype, device=dev),
+        )
+    cfg = config or default_backward_config(S, E, H, I, w_gate_up.dtype)
+    # The gradient of a sum arrives with stride 0 (and the kernels index dy as [T, H] rows).
+    dy = dy.contiguous()
+    ids = ids.contiguous()
+    rw = weights.reshape(-1).contiguous()
+    routing = route(ids, E)
+
+    dh, aw, part = dgrad(dy, x, routing, rw, w_gate_up, w_down, k, config=cfg.dgrad)
+    # Slots in the GEMM dtype (fp32 if x is fp32): half the traffic of fp32 slots; the sum over k is fp32.
+    slots = dx_slots(dh, routing, w_gate_up, torch.promote_types(x.dtype, w_gate_up.dtype), config=cfg.dx)
+    dx = combine(slots, ids, E, x.dtype)
+    by_load = experts_by_rows(routing)
+    d_wd = wgrad(dy, True, aw, False, routing, E, k, w_down.dtype, config=cfg.wgrad, experts_by_load=by_load)
+    d_wgu = wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad, experts_by_load=by_load)
+    d_weights = d_weights_by_row(part, routing, E, weights.dtype).view(T, k)
+    return dx, d_weights, d_wgu, d_wd
+
+
+__all__ = ["BackwardConfig", "default_backward_config", "experts_backward", "supports"]
