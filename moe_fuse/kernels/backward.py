@@ -406,8 +406,10 @@ def default_backward_config(S: int, E: int, H: int, I: int, dtype: torch.dtype) 
     elif rows <= 160:
         dgrad = GemmConfig(64, 64, bk, 1, 4, 4)  # 64x128 (the forward's) spills here and overflows shared memory
     else:
-        # Three 128x64 fp32 accumulators = 96 registers a thread at 8 warps (3 x 128x128 would spill).
-        dgrad = GemmConfig(128, 64, bk, 8, 8, 3, use_tma=wide)
+        # H200, 30B layer, T=16384 (bench/KERNELS_NOTES.md): three 128x128 accumulators at BK=32 spill
+        # ~100 bytes (ptxas) and still beat 128x64 tiles by 13% (437 vs 382-408 TFLOP/s): half the
+        # re-reads of the gathered dy and x rows. 128x128 at BK=64 (2 stages) lost 13%.
+        dgrad = GemmConfig(128, 128, 32, 8, 8, 3, use_tma=True)
     return BackwardConfig(dgrad, dx, _wgrad_config(S, E, dtype))
 
 
