@@ -28,6 +28,13 @@ def _last_dim(dim, ndim: int, node: fx.Node):
         raise NoMatch(f"reduction over dim {dim}, expected the last dim", node)
 
 
+def _skip_upcast(node):
+    """``logits.float()`` / ``logits.to(torch.float32)`` -> logits."""
+    if is_op(node, "float") or (is_op(node, "to") and node.args[1:] == (torch.float32,) and not node.kwargs):
+        return node.args[0]
+    return node
+
+
 def match(topk: fx.Node) -> Candidate:
     probs = arg(topk, 0, "input")
     k = arg(topk, 1, "k")
@@ -43,8 +50,7 @@ def match(topk: fx.Node) -> Candidate:
     # softmax(logits, dtype=float32) (Qwen, OLMoE) or softmax(logits.float()) (Mixtral): fp32 either way.
     softmax_dtype = probs.kwargs.get("dtype", arg(probs, 3, "dtype")) or dtype_of(logits)
     expect_literal(softmax_dtype, torch.float32, "softmax dtype", probs)
-    if is_op(logits, "float") or (is_op(logits, "to") and logits.args[1:] == (torch.float32,)):
-        logits = logits.args[0]
+    logits = _skip_upcast(logits)
 
     expect(logits, "linear")
     x, w_router = arg(logits, 0, "input"), arg(logits, 1, "weight")
@@ -108,9 +114,6 @@ def find(graph: fx.Graph) -> list[Candidate | Rejection]:
                 # Only a top-k of softmax(linear(...)) looks like a router; anything
                 # else (e.g. the load-balancing loss) is not worth a report line.
                 probs = arg(node, 0, "input")
-                scores = arg(probs, 0, "input")
-                if is_op(scores, "float", "to"):
-                    scores = scores.args[0]
-                if is_op(probs, "softmax") and is_op(scores, "linear"):
+                if is_op(probs, "softmax") and is_op(_skip_upcast(arg(probs, 0, "input")), "linear"):
                     found.append(Rejection(PATTERN, e.reason, e.node or node))
     return found
