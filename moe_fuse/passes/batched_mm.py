@@ -31,6 +31,7 @@ import torch.fx as fx
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
 from ..spec import ExpertsSpec
 from .candidate import Candidate, Rejection
+from .grouped_mm import match_combine
 from .graph import (
     NoMatch,
     arg,
@@ -152,21 +153,7 @@ def match(up_bmm: fx.Node) -> Candidate:
     if shape_of(weights) != shape_of(ids):
         raise NoMatch(f"routing weights {shape_of(weights)} and ids {shape_of(ids)} differ in shape", w_flat)
 
-    view = user_of(scale, "view", "reshape")
-    dims = list(view.args[1:]) if len(view.args) > 2 else list(view.args[1])
-    if len(dims) != 3 or dims[1] != k or dims[2] not in (H, -1):
-        raise NoMatch(f"combine views rows as {dims}, expected [T, {k}, {H}]", view)
-    total = user_of(view, "sum")
-    expect_literal(arg(total, 1, "dim"), 1, "combine sum dim", total)
-    if arg(total, 2, "keepdim", False):
-        raise NoMatch("combine sum keeps its dim", total)
-    out = total
-    if len(total.users) == 1 and is_op(next(iter(total.users)), "to"):
-        cast = next(iter(total.users))
-        if dtype_of(cast) == dtype_of(x):
-            out = cast
-    if dtype_of(out) != dtype_of(x):
-        raise NoMatch(f"combined output is {dtype_of(out)}, hidden states are {dtype_of(x)}", out)
+    out = match_combine(scale, k, H, x)
 
     spec = ExpertsSpec(
         num_experts=E,

@@ -83,6 +83,29 @@ def _skip_sentinel_mask(node: fx.Node):
     return user, None
 
 
+def match_combine(rows: fx.Node, k: int, H: int, x: fx.Node) -> fx.Node:
+    """Weighted rows in (token, slot) order -> ``rows.view(T, k, H).sum(dim=1)[.to(x.dtype)]``.
+
+    Returns the block's output node. Shared by the experts patterns.
+    """
+    view = user_of(rows, "view", "reshape")
+    dims = list(view.args[1:]) if len(view.args) > 2 else list(view.args[1])
+    if len(dims) != 3 or dims[1] != k or dims[2] not in (H, -1):
+        raise NoMatch(f"combine views rows as {dims}, expected [T, {k}, {H}]", view)
+    total = user_of(view, "sum")
+    expect_literal(arg(total, 1, "dim"), 1, "combine sum dim", total)
+    if arg(total, 2, "keepdim", False):
+        raise NoMatch("combine sum keeps its dim", total)
+    out = total
+    if len(total.users) == 1 and is_op(next(iter(total.users)), "to"):
+        cast = next(iter(total.users))
+        if dtype_of(cast) == dtype_of(x):
+            out = cast
+    if dtype_of(out) != dtype_of(x):
+        raise NoMatch(f"combined output is {dtype_of(out)}, hidden states are {dtype_of(x)}", out)
+    return out
+
+
 def match(up_mm: fx.Node) -> Candidate:
     a, w_gu_t, offs = _mm_operands(up_mm)
     w_gate_up = _expert_weight(w_gu_t, "gate_up")
@@ -155,21 +178,7 @@ def match(up_mm: fx.Node) -> Candidate:
     writes = [u for u in inv.users if is_op(u, "setitem")]
     if len(writes) != 1 or writes[0].args[1] is not perm or not is_op(writes[0].args[2], "arange"):
         raise NoMatch("the un-permutation is not inv[perm] = arange(S)", inv)
-    view = user_of(unperm, "view", "reshape")
-    dims = list(view.args[1:]) if len(view.args) > 2 else list(view.args[1])
-    if len(dims) != 3 or dims[1] != k or dims[2] not in (H, -1):
-        raise NoMatch(f"combine views rows as {dims}, expected [T, {k}, {H}]", view)
-    total = user_of(view, "sum")
-    expect_literal(arg(total, 1, "dim"), 1, "combine sum dim", total)
-    if arg(total, 2, "keepdim", False):
-        raise NoMatch("combine sum keeps its dim", total)
-    out = total
-    if len(total.users) == 1 and is_op(next(iter(total.users)), "to"):
-        cast = next(iter(total.users))
-        if dtype_of(cast) == dtype_of(x):
-            out = cast
-    if dtype_of(out) != dtype_of(x):
-        raise NoMatch(f"combined output is {dtype_of(out)}, hidden states are {dtype_of(x)}", out)
+    out = match_combine(unperm, k, H, x)
 
     spec = ExpertsSpec(
         num_experts=E,
