@@ -78,7 +78,7 @@ def main():
         # flip a near-tie in a later layer's top-k: judge both against the same model in fp32.
         loss32, logits32, grads32 = step(copy.deepcopy(model).float(), ids)
         print(f"loss   fp32 {loss32.item():.6f}  eager bf16 {loss.item():.6f}  moe_fuse bf16 {loss2.item():.6f}")
-        print(f"relative error vs fp32 eager        eager bf16   moe_fuse bf16")
+        print("relative error vs fp32 eager        eager bf16   moe_fuse bf16")
         print(f"  logits                            {rel(logits, logits32):.2e}     {rel(logits2, logits32):.2e}")
         for name in grads32:
             if "mlp" in name:
