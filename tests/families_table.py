@@ -62,31 +62,43 @@ def _router_source(model) -> str:
 
 
 def describe_router(model) -> str:
-    """What the family's router computes, where it is not linear -> softmax -> top-k."""
+    """What the family's router computes, where it is not linear -> softmax -> top-k (read from its code)."""
     src = _router_source(model)
     if not src:
-        return "no router module found"
-    body = "\n".join(line.split("#")[0] for line in src.splitlines())
+        return "no router: " + ("experts picked by dataset_index" if "dataset_index" in _methods(type(model))
+                                else "no router module found")
+    body = re.sub(r'"""(?:.|\n)*?"""', "", src)  # no docstrings
+    body = "\n".join(line.split("#")[0] for line in body.splitlines())  # no comments
     parts = []
-    topk_at = min((body.find(s) for s in ("topk(", "top_k(", ".topk") if s in body), default=-1)
+    select_at = min((body.find(s) for s in ("topk(", ".topk", "argmax(") if s in body), default=-1)
+    if "hash" in body:
+        parts.append("hash routing for some layers")
+    if "sparsemixer" in body:
+        parts.append("sparsemixer routing")
     if "sigmoid" in body:
         parts.append("sigmoid scores")
-    elif "softmax" in body and topk_at >= 0 and topk_at < body.find("softmax"):
-        parts.append("softmax over the top-k logits (top-k first)")
+    elif "softplus" in body:
+        parts.append("softplus scores")
+    elif "softmax" in body and 0 <= select_at < body.find("softmax"):
+        parts.append("softmax over the selected logits (top-k first)")
     elif "softmax" in body:
         parts.append("softmax scores")
-    elif topk_at < 0:
-        parts.append("no top-k")
-    if re.search(r"correction_bias|expert_bias|score_bias|e_score|moe_statics", body):
+    elif re.search(r"score_fn|scoring_function", body):
+        parts.append("a configurable scoring function")
+    if "argmax(" in body:
+        parts.append("experts picked by argmax")
+    if "num_keys" in body:
+        parts.append("product-key experts")
+    if re.search(r"correction_bias|expert_bias|score_bias|\be_score|moe_statics|balancing_bias", body):
         parts.append("a bias added for the selection")
     if re.search(r"n_group|topk_group|num_expert_group", body):
         parts.append("group-limited top-k")
-    if re.search(r"jitter|noise", body):
+    if re.search(r"jitter", body):
         parts.append("jitter noise")
-    if re.search(r"bias=True|self\.bias|\.bias\b", body) and "correction" not in body:
-        parts.append("router bias")
     if re.search(r"capacity", body):
         parts.append("expert capacity")
+    if re.search(r"zero_expert", body):
+        parts.append("zero (identity) experts")
     return ", ".join(parts) or "another scoring"
 
 
