@@ -97,45 +97,68 @@ def _check_experts_args(x, ids, weights, w_gate_up, w_down):
 
 
 @torch.library.custom_op("moe_fuse::experts", mutates_args=())
-def experts(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
+def experts(
+    x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, save_h: bool = False
+) -> tuple[Tensor, Tensor]:
+    """(y, h). With ``save_h``, h [T*k, 2I] is the pre-activation gate | up in expert order, which the
+    backward reads instead of recomputing it (2 instead of 6 T*k*H*I FLOPs in its first GEMM); without,
+    h is empty [0, 2I] and the backward recomputes. The rewrite saves h unless the block sits in an
+    activation-checkpointed region, where recomputing inside the backward is cheaper than re-running
+    the forward to rebuild h.
+    """
     _check_experts_args(x, ids, weights, w_gate_up, w_down)
     if x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):
-        return kernels.experts_forward(x, ids, weights, w_gate_up, w_down)
-    return reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down)
+        if save_h:
+            y, h, _ = kernels.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=True)
+            return y, h
+        return kernels.experts_forward(x, ids, weights, w_gate_up, w_down), _no_h(w_gate_up)
+    if save_h:
+        return reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down, save_h=True)
+    return reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down), _no_h(w_gate_up)
+
+
+def _no_h(w_gate_up):
+    return w_gate_up.new_empty((0, w_gate_up.shape[1]))
 
 
 @experts.register_fake
-def _(x, ids, weights, w_gate_up, w_down):
+def _(x, ids, weights, w_gate_up, w_down, save_h=False):
     _check_experts_args(x, ids, weights, w_gate_up, w_down)
-    return x.new_empty(x.shape)
+    rows = ids.shape[0] * ids.shape[1] if save_h else 0
+    return x.new_empty(x.shape), w_gate_up.new_empty((rows, w_gate_up.shape[1]))
 
 
 @torch.library.custom_op("moe_fuse::experts_backward", mutates_args=())
 def experts_backward(
-    dy: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor
+    dy: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """h: the forward's saved pre-activation, or empty (recompute)."""
     if dy.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):
-        grads = kernels.experts_backward(dy, x, ids, weights, w_gate_up, w_down)  # makes dy contiguous itself
+        saved = h if h.numel() else None
+        grads = kernels.experts_backward(dy, x, ids, weights, w_gate_up, w_down, saved)  # makes dy contiguous itself
     else:
-        # The gradient of a sum arrives with stride 0: make it a real tensor first.
+        # The reference recomputes h in fp32. The gradient of a sum arrives with stride 0: make it a real tensor first.
         grads = reference.experts_backward(dy.contiguous(), x.contiguous(), ids, weights, w_gate_up, w_down)
     return tuple(g.contiguous() for g in grads)
 
 
 @experts_backward.register_fake
-def _(dy, x, ids, weights, w_gate_up, w_down):
+def _(dy, x, ids, weights, w_gate_up, w_down, h):
     fmt = torch.contiguous_format
     return tuple(torch.empty_like(t, memory_format=fmt) for t in (x, weights, w_gate_up, w_down))
 
 
 def _experts_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    x, ids, weights, w_gate_up, w_down, _save_h = inputs
+    ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, output[1])
 
 
-def _experts_backward(ctx, dy):
-    x, ids, weights, w_gate_up, w_down = ctx.saved_tensors
-    dx, d_weights, d_wgu, d_wd = torch.ops.moe_fuse.experts_backward(dy, x, ids, weights, w_gate_up, w_down)
-    return dx, None, d_weights, d_wgu, d_wd
+def _experts_backward(ctx, dy, _d_h):
+    x, ids, weights, w_gate_up, w_down, h = ctx.saved_tensors
+    if dy is None:  # only h was used: nothing flows back (h is an internal saved value)
+        dy = torch.zeros_like(x)
+    dx, d_weights, d_wgu, d_wd = torch.ops.moe_fuse.experts_backward(dy, x, ids, weights, w_gate_up, w_down, h)
+    return dx, None, d_weights, d_wgu, d_wd, None
 
 
 experts.register_autograd(_experts_backward, setup_context=_experts_setup_context)

@@ -68,24 +68,31 @@ def _expert_slices(counts: torch.Tensor):
         start += n
 
 
-def experts_forward(x, ids, weights, w_gate_up, w_down):
+def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False):
     """y[t] = sum_j weights[t,j] * W_down[e] (silu(W_gate[e] x[t]) * W_up[e] x[t]),  e = ids[t,j].
 
     Rounds like transformers' grouped_mm path: each GEMM in the weights' dtype,
     the routing weight applied with type promotion, the sum over k, then a cast to x.dtype.
+    ``save_h`` also returns h [S, 2I], the pre-activation gate | up of each row in
+    ``expert_order`` (sentinel rows zero), the layout the Triton backward reads.
     """
     T, H = x.shape
     k = ids.shape[1]
     order, counts = expert_order(ids, w_gate_up.shape[0])
     xs = x[order // k].to(w_gate_up.dtype)
     ys = torch.zeros(xs.shape[0], w_down.shape[1], dtype=w_down.dtype, device=x.device)
+    h = torch.zeros(xs.shape[0], w_gate_up.shape[1], dtype=w_gate_up.dtype, device=x.device) if save_h else None
     for e, rows in _expert_slices(counts):
-        gate, up = (xs[rows] @ w_gate_up[e].t()).chunk(2, dim=-1)
+        h_rows = xs[rows] @ w_gate_up[e].t()
+        if save_h:
+            h[rows] = h_rows
+        gate, up = h_rows.chunk(2, dim=-1)
         ys[rows] = (F.silu(gate) * up) @ w_down[e].t()
     y_slots = torch.empty_like(ys)
     y_slots[order] = ys
     weighted = y_slots * weights.reshape(-1, 1)
-    return weighted.view(T, k, H).sum(dim=1).to(x.dtype)
+    y = weighted.view(T, k, H).sum(dim=1).to(x.dtype)
+    return (y, h) if save_h else y
 
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down):

@@ -36,14 +36,23 @@ def random_case(T=9, H=12, I=10, E=5, k=2, dtype=torch.float64, seed=0, sentinel
     return x, ids, weights, w_gate_up, w_down
 
 
+@pytest.mark.parametrize("save_h", [False, True])
 @pytest.mark.parametrize("sentinel_fraction", [0.0, 0.3])
 @pytest.mark.parametrize("k", [1, 2, 5])
-def test_experts_forward_and_backward_match_definition(k, sentinel_fraction):
+def test_experts_forward_and_backward_match_definition(k, sentinel_fraction, save_h):
     x, ids, weights, w_gate_up, w_down = random_case(k=k, sentinel_fraction=sentinel_fraction)
     leaves = [t.requires_grad_() for t in (x, weights, w_gate_up, w_down)]
     want = naive_experts(x, ids, weights, w_gate_up, w_down)
-    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down)
+    got, h = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    if save_h:  # the pre-activation of each routed row, in expert order (sentinel rows zero)
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        routed = (ids.reshape(-1) < w_gate_up.shape[0])[order]
+        want_h = torch.einsum("sh,sjh->sj", x[order // k], w_gate_up[ids.reshape(-1)[order].clamp(max=w_gate_up.shape[0] - 1)])
+        torch.testing.assert_close(h[routed], want_h[routed])
+        assert not h[~routed].any()
+    else:
+        assert h.shape == (0, w_gate_up.shape[1])
     dy = torch.randn_like(want)
     for g_got, g_want in zip(torch.autograd.grad(got, leaves, dy), torch.autograd.grad(want, leaves, dy)):
         torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-10)
@@ -52,7 +61,7 @@ def test_experts_forward_and_backward_match_definition(k, sentinel_fraction):
 def test_experts_all_tokens_on_one_expert_and_empty_experts():
     x, ids, weights, w_gate_up, w_down = random_case(k=1)
     ids.fill_(3)
-    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down)
+    got, _ = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down)
     torch.testing.assert_close(got, naive_experts(x, ids, weights, w_gate_up, w_down))
 
 
@@ -79,9 +88,12 @@ def test_router_matches_definition(renorm):
 def test_opcheck(dtype):
     x, ids, weights, w_gate_up, w_down = (t.to(dtype) if t.is_floating_point() else t for t in random_case())
     req = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
-    opcheck(torch.ops.moe_fuse.experts.default, (req(x), ids, req(weights), req(w_gate_up), req(w_down)))
+    for save_h in (False, True):
+        opcheck(torch.ops.moe_fuse.experts.default, (req(x), ids, req(weights), req(w_gate_up), req(w_down), save_h))
     dy = torch.randn_like(x)
-    opcheck(torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, weights, w_gate_up, w_down))
+    _, h = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, True)
+    for saved in (h, h[:0]):
+        opcheck(torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, weights, w_gate_up, w_down, saved))
     w_router = torch.randn(5, x.shape[1], dtype=dtype)
     opcheck(torch.ops.moe_fuse.router.default, (req(x), req(w_router), 2, True, dtype))
     logits, _, r_ids = torch.ops.moe_fuse.router(x, w_router, 2, True, dtype)

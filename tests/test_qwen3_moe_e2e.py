@@ -2,6 +2,7 @@
 as eager, every MoE block rewritten, and the dumps say so."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,12 @@ def fresh_dynamo():
 
 def reports(debug_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(debug_dir.glob("graph_*/report.json"))]
+
+
+def saved_h_flags(debug_dir: Path) -> list[str]:
+    """The save_h argument of every moe_fuse.experts call in the rewritten graphs."""
+    text = "".join(p.read_text() for p in sorted(debug_dir.glob("graph_*/after.py")))
+    return re.findall(r"torch\.ops\.moe_fuse\.experts\.default\([^;]*, (True|False)\)", text)
 
 
 def assert_parity(eager, fused, dtype):
@@ -82,6 +89,7 @@ def test_parity_and_rewrite(spelling, tmp_path):
     after = (folder / "after.py").read_text()
     before = (folder / "before.py").read_text()
     assert after.count("torch.ops.moe_fuse.experts.default") == 2
+    assert saved_h_flags(tmp_path) == ["True", "True"]  # traced for training: the forward keeps h
     assert after.count("torch.ops.moe_fuse.router.default") == 2
     assert "grouped_mm" in before and "grouped_mm" not in after
     assert "torch.sort" not in after and "torch.topk" in after  # the aux loss keeps its own top-k
@@ -136,3 +144,16 @@ def test_gradient_checkpointing_bodies(tmp_path):
     assert_parity(eager, fused, torch.float32)
     (report,) = [r for r in reports(tmp_path) if r["matches"]]
     assert_all_blocks_fused(report, where="wrap_body")
+    # Inside a checkpointed body the backward recomputes h instead of the forward saving it.
+    assert saved_h_flags(tmp_path) == ["False", "False"]
+
+
+def test_inference_does_not_keep_h(tmp_path):
+    """Under no_grad there is no backward: the fused op must not keep the [T*k, 2I] pre-activation."""
+    model = qwen3_moe(torch.float32, num_hidden_layers=1)
+    ids = token_batch()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = compile_moe_fuse(model, tmp_path)(input_ids=ids).logits
+    assert rel_err(got, want) < TOL[torch.float32]
+    assert saved_h_flags(tmp_path) == ["False"]

@@ -37,10 +37,11 @@ def forward(self, L_hidden_states_ : torch.Tensor, L_self_modules_gate_parameter
     hidden_states_reshaped = l_hidden_states_.view(-1, 32);  l_hidden_states_ = None
     hidden_states = hidden_states_reshaped.reshape(-1, 32)
     router_default = torch.ops.moe_fuse.router.default(hidden_states, l_self_modules_gate_parameters_weight_, 2, True, torch.float32);  hidden_states = l_self_modules_gate_parameters_weight_ = None
-    getitem_10 = router_default[1]
-    getitem_11 = router_default[2];  router_default = None
-    experts_default = torch.ops.moe_fuse.experts.default(hidden_states_reshaped, getitem_11, getitem_10, l_self_modules_experts_parameters_gate_up_proj_, l_self_modules_experts_parameters_down_proj_);  hidden_states_reshaped = getitem_11 = getitem_10 = l_self_modules_experts_parameters_gate_up_proj_ = l_self_modules_experts_parameters_down_proj_ = None
-    reshape_3 = experts_default.reshape(2, 5, 32);  experts_default = None
+    getitem_11 = router_default[1]
+    getitem_12 = router_default[2];  router_default = None
+    experts_default = torch.ops.moe_fuse.experts.default(hidden_states_reshaped, getitem_12, getitem_11, l_self_modules_experts_parameters_gate_up_proj_, l_self_modules_experts_parameters_down_proj_, True);  hidden_states_reshaped = getitem_12 = getitem_11 = l_self_modules_experts_parameters_gate_up_proj_ = l_self_modules_experts_parameters_down_proj_ = None
+    getitem_9 = experts_default[0];  experts_default = None
+    reshape_3 = getitem_9.reshape(2, 5, 32);  getitem_9 = None
     return (reshape_3,)""")
 
 

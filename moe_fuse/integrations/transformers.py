@@ -82,7 +82,10 @@ def moe_fuse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: tor
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
 
-    return torch.ops.moe_fuse.experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+    args = (hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+    # Keep h for the backward only when there will be one (the op's docstring says why).
+    save_h = torch.is_grad_enabled() and any(t.requires_grad for t in args)
+    return torch.ops.moe_fuse.experts(*args, save_h)[0]
 
 
 def register_experts_implementation(name: str = NAME) -> str:

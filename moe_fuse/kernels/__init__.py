@@ -2,7 +2,7 @@
 
 Public:
     experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False) -> y  (or (y, h, routing))
-    experts_backward(dy, x, ids, weights, w_gate_up, w_down) -> (dx, d_weights, d_w_gate_up, d_w_down)
+    experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None) -> (dx, d_weights, d_w_gate_up, d_w_down)
     supports(x, ids, weights, w_gate_up, w_down) -> bool
     route(ids, num_experts) -> Routing(order, counts, offsets)
     softmax_topk(logits, top_k, renorm, weights_dtype) -> (weights, ids)
@@ -22,11 +22,14 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False)
     return impl(x, ids, weights, w_gate_up, w_down, save_h=save_h)
 
 
-def experts_backward(dy, x, ids, weights, w_gate_up, w_down):
-    """See backward.experts_backward: same result as reference.experts_backward (under the same ``supports``)."""
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None):
+    """See backward.experts_backward: same result as reference.experts_backward (under the same ``supports``).
+
+    h: the pre-activation ``experts_forward(save_h=True)`` kept, or None to recompute it.
+    """
     from .backward import experts_backward as impl
 
-    return impl(dy, x, ids, weights, w_gate_up, w_down)
+    return impl(dy, x, ids, weights, w_gate_up, w_down, h)
 
 
 def supports(x, ids, weights, w_gate_up, w_down) -> bool:

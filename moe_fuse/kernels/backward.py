@@ -59,6 +59,7 @@ def _dgrad_kernel(
     wgu_desc,  # [E * 2I, H] view, blocks [BLOCK_N, BLOCK_K] (USE_TMA only)
     wd_ptr,  # [E, H, I]
     wd_desc,  # [E * H, I] view, blocks [BLOCK_K, BLOCK_N] (USE_TMA only)
+    h_ptr,  # [S, 2I] the forward's pre-activation gate | up, sorted order (only when not RECOMPUTE)
     dh_ptr,  # [S, 2I] out, sorted order
     aw_ptr,  # [S, I] out, sorted order
     part_ptr,  # [num_n_tiles, S] fp32 out: sum over the tile's columns of g * a
@@ -83,6 +84,7 @@ def _dgrad_kernel(
     E_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr,
+    RECOMPUTE: tl.constexpr,  # recompute gate | up from x here (three accumulators) or read the saved h
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -132,44 +134,69 @@ def _dgrad_kernel(
 
     w_dtype = wgu_ptr.dtype.element_ty
     acc_d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            a_dy = tl.load(dy_ptrs)
-            a_x = tl.load(x_ptrs)
-        else:
-            k_row = ((k0 + kk) < H)[None, :]
-            a_dy = tl.load(dy_ptrs, mask=k_row, other=0.0)
-            a_x = tl.load(x_ptrs, mask=k_row, other=0.0)
-        if USE_TMA:
-            bd = wd_desc.load([down_row + k0, pid_n * BLOCK_N])
-            bg = wgu_desc.load([gate_row, k0]).T
-            bu = wgu_desc.load([gate_row + I, k0]).T
-        elif EVEN_K:
-            bd = tl.load(d_ptrs, mask=n_in, other=0.0)
-            bg = tl.load(g_ptrs)
-            bu = tl.load(g_ptrs + up_offset)
-        else:
-            k_col = ((k0 + kk) < H)[:, None]
-            bd = tl.load(d_ptrs, mask=k_col & n_in, other=0.0)
-            bg = tl.load(g_ptrs, mask=k_col, other=0.0)
-            bu = tl.load(g_ptrs + up_offset, mask=k_col, other=0.0)
-        a_dy = a_dy.to(w_dtype)
-        a_x = a_x.to(w_dtype)
-        if INTERPRET:  # bf16 tl.dot is wrong in the triton 3.6 interpreter
-            a_dy = a_dy.to(tl.float32)
-            a_x = a_x.to(tl.float32)
-            bd = bd.to(tl.float32)
-            bg = bg.to(tl.float32)
-            bu = bu.to(tl.float32)
-        acc_d = tl.dot(a_dy, bd, acc_d, input_precision=DOT_PRECISION)
-        acc_g = tl.dot(a_x, bg, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a_x, bu, acc_u, input_precision=DOT_PRECISION)
-        dy_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K * stride_xh
-        d_ptrs += BLOCK_K * stride_wdh
-        g_ptrs += BLOCK_K * stride_guh
+    if RECOMPUTE:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a_dy = tl.load(dy_ptrs)
+                a_x = tl.load(x_ptrs)
+            else:
+                k_row = ((k0 + kk) < H)[None, :]
+                a_dy = tl.load(dy_ptrs, mask=k_row, other=0.0)
+                a_x = tl.load(x_ptrs, mask=k_row, other=0.0)
+            if USE_TMA:
+                bd = wd_desc.load([down_row + k0, pid_n * BLOCK_N])
+                bg = wgu_desc.load([gate_row, k0]).T
+                bu = wgu_desc.load([gate_row + I, k0]).T
+            elif EVEN_K:
+                bd = tl.load(d_ptrs, mask=n_in, other=0.0)
+                bg = tl.load(g_ptrs)
+                bu = tl.load(g_ptrs + up_offset)
+            else:
+                k_col = ((k0 + kk) < H)[:, None]
+                bd = tl.load(d_ptrs, mask=k_col & n_in, other=0.0)
+                bg = tl.load(g_ptrs, mask=k_col, other=0.0)
+                bu = tl.load(g_ptrs + up_offset, mask=k_col, other=0.0)
+            a_dy = a_dy.to(w_dtype)
+            a_x = a_x.to(w_dtype)
+            if INTERPRET:  # bf16 tl.dot is wrong in the triton 3.6 interpreter
+                a_dy = a_dy.to(tl.float32)
+                a_x = a_x.to(tl.float32)
+                bd = bd.to(tl.float32)
+                bg = bg.to(tl.float32)
+                bu = bu.to(tl.float32)
+            acc_d = tl.dot(a_dy, bd, acc_d, input_precision=DOT_PRECISION)
+            acc_g = tl.dot(a_x, bg, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a_x, bu, acc_u, input_precision=DOT_PRECISION)
+            dy_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K * stride_xh
+            d_ptrs += BLOCK_K * stride_wdh
+            g_ptrs += BLOCK_K * stride_guh
+    else:
+        # One accumulator: g = dy[tok] @ W_down[e]; gate | up come from the forward's saved h.
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a_dy = tl.load(dy_ptrs)
+            else:
+                a_dy = tl.load(dy_ptrs, mask=((k0 + kk) < H)[None, :], other=0.0)
+            if USE_TMA:
+                bd = wd_desc.load([down_row + k0, pid_n * BLOCK_N])
+            elif EVEN_K:
+                bd = tl.load(d_ptrs, mask=n_in, other=0.0)
+            else:
+                bd = tl.load(d_ptrs, mask=((k0 + kk) < H)[:, None] & n_in, other=0.0)
+            a_dy = a_dy.to(w_dtype)
+            if INTERPRET:  # bf16 tl.dot is wrong in the triton 3.6 interpreter
+                a_dy = a_dy.to(tl.float32)
+                bd = bd.to(tl.float32)
+            acc_d = tl.dot(a_dy, bd, acc_d, input_precision=DOT_PRECISION)
+            dy_ptrs += BLOCK_K
+            d_ptrs += BLOCK_K * stride_wdh
+        h_ptrs = h_ptr + pos.to(tl.int64)[:, None] * (2 * I) + n[None, :]
+        h_mask = row_valid[:, None] & n_in
+        acc_g = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
+        acc_u = tl.load(h_ptrs + I, mask=h_mask, other=0.0).to(tl.float32)
 
     # ---- epilogue, fp32: SwiGLU recomputed, its backward, the routing-weight gradient's partial sum
     rw = tl.load(rw_ptr + src, mask=row_valid, other=0.0).to(tl.float32)[:, None]
@@ -275,7 +302,9 @@ def _dx_kernel(
 @lazy_jit
 def _wgrad_kernel(
     l_ptr,  # rows of the left operand (its columns are the output's M)
+    l_desc,  # [rows, M] blocks [BLOCK_K, BLOCK_M] (L_TMA only)
     r_ptr,  # rows of the right operand (its columns are the output's N)
+    r_desc,  # [rows, N] blocks [BLOCK_K, BLOCK_N] (R_TMA only)
     order_ptr,  # [S] int32
     offsets_ptr,  # [E + 1] int32
     experts_ptr,  # [E] int32: experts by decreasing row count (the longest reductions start first)
@@ -291,6 +320,8 @@ def _wgrad_kernel(
     TOP_K: tl.constexpr,
     L_GATHER: tl.constexpr,  # row of p is token(p) (True) or p itself (False)
     R_GATHER: tl.constexpr,
+    L_TMA: tl.constexpr,  # an operand in sorted order (not gathered) read through its descriptor
+    R_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -333,9 +364,15 @@ def _wgrad_kernel(
             r_rows = token
         else:
             r_rows = pos.to(tl.int64)
-        # Rows past the expert's end belong to the next expert: both operands read zeros there.
-        lt = tl.load(l_ptr + l_rows[:, None] * stride_lr + m[None, :] * stride_lc, mask=k_ok[:, None] & m_in, other=0.0)
-        rt = tl.load(r_ptr + r_rows[:, None] * stride_rr + n[None, :] * stride_rc, mask=k_ok[:, None] & n_in, other=0.0)
+        # Rows past the expert's end belong to the next expert (or are unwritten): both operands read zeros there.
+        if L_TMA:
+            lt = tl.where(k_ok[:, None], l_desc.load([row_begin + k0, pid_m * BLOCK_M]), 0.0)
+        else:
+            lt = tl.load(l_ptr + l_rows[:, None] * stride_lr + m[None, :] * stride_lc, mask=k_ok[:, None] & m_in, other=0.0)
+        if R_TMA:
+            rt = tl.where(k_ok[:, None], r_desc.load([row_begin + k0, pid_n * BLOCK_N]), 0.0)
+        else:
+            rt = tl.load(r_ptr + r_rows[:, None] * stride_rr + n[None, :] * stride_rc, mask=k_ok[:, None] & n_in, other=0.0)
         lt = lt.to(out_dtype)
         rt = rt.to(out_dtype)
         if INTERPRET:
@@ -384,9 +421,12 @@ INTERPRETER_BACKWARD_CONFIG = BackwardConfig(
 )
 
 
-def default_backward_config(S: int, E: int, H: int, I: int, dtype: torch.dtype) -> BackwardConfig:
+def default_backward_config(
+    S: int, E: int, H: int, I: int, dtype: torch.dtype, *, saved_h: bool = False
+) -> BackwardConfig:
     """Block shapes from the average rows per expert (a bucket of S / E, so new batch sizes compile nothing new).
 
+    ``saved_h``: the dgrad reads the forward's h (one accumulator) instead of recomputing it (three).
     Large-batch shapes: see bench/KERNELS_NOTES.md (backward section) for the H200 sweep.
     """
     if interpreting():
@@ -396,6 +436,11 @@ def default_backward_config(S: int, E: int, H: int, I: int, dtype: torch.dtype) 
     bk = 64 if wide else 32
     # dx has the forward down GEMM's shape family ([S, N] tiles, a K loop over the weights).
     dx = default_config("down", S, E, H, 2 * I, dtype)
+    if saved_h:
+        # One accumulator and a gathered A operand over K = H: the forward gate_up's shape family, whose
+        # [BM, 2 x BN] tile is this kernel's accumulator plus the two h tiles read in the epilogue.
+        dgrad = default_config("gate_up", S, E, I, H, dtype)
+        return BackwardConfig(dgrad, dx, _wgrad_config(S, E, dtype))
     if not wide:
         # fp32 (tf32 dots) holds more in registers: larger dgrad tiles spill (ptxas, sm_90a). Not a speed target.
         dgrad = GemmConfig(32, 32, 64, 1, 4, 3)
@@ -426,15 +471,17 @@ def _wgrad_config(S: int, E: int, dtype: torch.dtype) -> GemmConfig:
 # --------------------------------------------------------------------------- launchers
 
 
-def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config: GemmConfig | None = None):
+def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, h=None, *, config: GemmConfig | None = None):
     """(d_h [S, 2I], aw [S, I], partials [n_tiles, S] fp32), all in sorted order; see the module docstring.
 
-    dy [T, H] contiguous, rw [S] the routing weights by row (contiguous).
+    dy [T, H] contiguous, rw [S] the routing weights by row (contiguous); h [S, 2I] the forward's
+    saved pre-activation in sorted order (contiguous), or None to recompute it from x.
     """
     E, two_i, H = w_gate_up.shape
     I = two_i // 2
     S = routing.order.numel()
-    cfg = config or default_backward_config(S, E, H, I, w_gate_up.dtype).dgrad
+    recompute = h is None
+    cfg = config or default_backward_config(S, E, H, I, w_gate_up.dtype, saved_h=not recompute).dgrad
     num_n = triton.cdiv(I, cfg.block_n)
     dh = torch.empty(S, two_i, dtype=w_gate_up.dtype, device=x.device)
     aw = torch.empty(S, I, dtype=w_gate_up.dtype, device=x.device)
@@ -443,6 +490,7 @@ def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config:
     gu_desc = None
     wd_desc = None
     if use_tma:
+        # The saved-h path never reads W_gate_up: any descriptor will do (a [BLOCK_N, BLOCK_K] one is built anyway).
         gu_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * two_i, H), [cfg.block_n, cfg.block_k])
         wd_desc = TensorDescriptor.from_tensor(w_down.view(E * H, I), [cfg.block_k, cfg.block_n])
     num_m = _m_tiles_bound(S, E, cfg.block_m)
@@ -456,6 +504,7 @@ def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config:
         gu_desc,
         w_down,
         wd_desc,
+        dh if recompute else h,  # never read when recomputing
         dh,
         aw,
         part,
@@ -476,6 +525,7 @@ def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config:
         E_P2=triton.next_power_of_2(E),
         EVEN_K=H % cfg.block_k == 0,
         USE_TMA=use_tma,
+        RECOMPUTE=recompute,
         INTERPRET=interpreting(),
         DOT_PRECISION=_dot_precision(w_gate_up.dtype),
         num_warps=cfg.num_warps,
@@ -538,6 +588,7 @@ def wgrad(left, l_gather: bool, right, r_gather: bool, routing: Routing, num_exp
     """[E, M, N] with out[e] = left[rows of e]^T @ right[rows of e]; a gathered operand is indexed by token.
 
     left [*, M] and right [*, N] are 2-D with any strides; every expert's block is written (zeros without rows).
+    With ``config.use_tma``, an operand in sorted order that is contiguous is read through a tensor descriptor.
     """
     M, N = left.shape[1], right.shape[1]
     E = num_experts
@@ -547,9 +598,15 @@ def wgrad(left, l_gather: bool, right, r_gather: bool, routing: Routing, num_exp
     num_m, num_n = triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n)
     if experts_by_load is None:
         experts_by_load = experts_by_rows(routing)
+    l_tma = cfg.use_tma and not l_gather and left.dtype == out_dtype and _tma_ok(left)
+    r_tma = cfg.use_tma and not r_gather and right.dtype == out_dtype and _tma_ok(right)
+    l_desc = TensorDescriptor.from_tensor(left, [cfg.block_k, cfg.block_m]) if l_tma else None
+    r_desc = TensorDescriptor.from_tensor(right, [cfg.block_k, cfg.block_n]) if r_tma else None
     _wgrad_kernel[(E * num_m * num_n,)](
         left,
+        l_desc,
         right,
+        r_desc,
         routing.order,
         routing.offsets,
         experts_by_load,
@@ -565,6 +622,8 @@ def wgrad(left, l_gather: bool, right, r_gather: bool, routing: Routing, num_exp
         TOP_K=top_k,
         L_GATHER=l_gather,
         R_GATHER=r_gather,
+        L_TMA=l_tma,
+        R_TMA=r_tma,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -591,12 +650,13 @@ def d_weights_by_row(part, routing: Routing, num_experts: int, out_dtype):
 # --------------------------------------------------------------------------- entry point
 
 
-def experts_backward(dy, x, ids, weights, w_gate_up, w_down, *, config: BackwardConfig | None = None):
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: BackwardConfig | None = None):
     """(dx, d_weights, d_w_gate_up, d_w_down): the semantics and dtypes of ``reference.experts_backward``.
 
     dy [T, H] (any strides, stride 0 included), x [T, H], ids [T, k] (ids >= E: expert-parallel
     sentinels, zero contribution and zero gradient), weights [T, k], w_gate_up [E, 2I, H],
-    w_down [E, H, I]. Outputs are contiguous, in the dtypes of x, weights, w_gate_up, w_down.
+    w_down [E, H, I]; h: the forward's saved pre-activation (``experts_forward(save_h=True)``),
+    or None to recompute it. Outputs are contiguous, in the dtypes of x, weights, w_gate_up, w_down.
     """
     T, H = x.shape
     k = ids.shape[1]
@@ -611,14 +671,19 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, *, config: Backward
             torch.zeros(w_gate_up.shape, dtype=w_gate_up.dtype, device=dev),
             torch.zeros(w_down.shape, dtype=w_down.dtype, device=dev),
         )
-    cfg = config or default_backward_config(S, E, H, I, w_gate_up.dtype)
+    if h is not None and (tuple(h.shape) != (S, two_i) or h.dtype != w_gate_up.dtype or not h.is_contiguous()):
+        raise ValueError(
+            f"experts_backward: saved h must be a contiguous [S={S}, 2I={two_i}] {w_gate_up.dtype} tensor, "
+            f"got {tuple(h.shape)} {h.dtype}"
+        )
+    cfg = config or default_backward_config(S, E, H, I, w_gate_up.dtype, saved_h=h is not None)
     # The gradient of a sum arrives with stride 0 (and the kernels index dy as [T, H] rows).
     dy = dy.contiguous()
     ids = ids.contiguous()
     rw = weights.reshape(-1).contiguous()
     routing = route(ids, E)
 
-    dh, aw, part = dgrad(dy, x, routing, rw, w_gate_up, w_down, k, config=cfg.dgrad)
+    dh, aw, part = dgrad(dy, x, routing, rw, w_gate_up, w_down, k, h, config=cfg.dgrad)
     # Slots in the GEMM dtype (fp32 if x is fp32): half the traffic of fp32 slots; the sum over k is fp32.
     slots = dx_slots(dh, routing, w_gate_up, torch.promote_types(x.dtype, w_gate_up.dtype), config=cfg.dx)
     dx = combine(slots, ids, E, x.dtype)

@@ -67,8 +67,29 @@ def graphs_in(gm: fx.GraphModule):
             yield name, module
 
 
+def checkpointed_bodies(gm: fx.GraphModule) -> set[str]:
+    """Qualified names of the bodies of activation-checkpointing HOPs (``tag_activation_checkpoint``)."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    names = set()
+    for prefix, owner in gm.named_modules():
+        if not isinstance(owner, fx.GraphModule):
+            continue
+        for node in owner.graph.nodes:
+            if node.op == "call_function" and node.target is hop and node.args and isinstance(node.args[0], fx.Node):
+                names.add(f"{prefix}.{node.args[0].target}" if prefix else node.args[0].target)
+    return names
+
+
+def _recompute_h(cand: Candidate) -> None:
+    """Inside a checkpointed body the backward recomputes h itself: saving it would make the partitioner
+    re-run the whole fused forward in the backward just to rebuild h."""
+    if cand.op is torch.ops.moe_fuse.experts.default and cand.op_args[-1] is True:
+        cand.op_args = (*cand.op_args[:-1], False)
+
+
 def run_passes(gm: fx.GraphModule, example_inputs, report, verify_matches: bool = True):
     values = RealValues(gm, example_inputs)
+    checkpointed = checkpointed_bodies(gm)
     for where, module in graphs_in(gm):
         found = [f for mod in PATTERN_MODULES for f in mod.find(module.graph)]
         accepted: list[Candidate] = []
@@ -76,6 +97,8 @@ def run_passes(gm: fx.GraphModule, example_inputs, report, verify_matches: bool 
             if isinstance(item, Rejection):
                 report.reject(item.pattern, item.reason, where, item.node)
                 continue
+            if where in checkpointed:
+                _recompute_h(item)
             reason = verify(item, values) if verify_matches else None
             if reason is not None:
                 report.reject(item.pattern, reason, where, item.anchor)

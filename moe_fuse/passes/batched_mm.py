@@ -31,7 +31,7 @@ import torch.fx as fx
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
 from ..spec import ExpertsSpec
 from .candidate import Candidate, Rejection
-from .grouped_mm import match_combine
+from .grouped_mm import experts_candidate, match_combine
 from .graph import (
     NoMatch,
     arg,
@@ -167,18 +167,7 @@ def match(up_bmm: fx.Node) -> Candidate:
     notes = []
     if clamped and mask is None:
         notes.append(f"expert ids clamped to [0, {E - 1}] without a sentinel mask: proved on in-range ids")
-    region = collect_region([x, ids, weights, w_gate_up, w_down], [out])
-    return Candidate(
-        pattern=PATTERN,
-        spec=spec,
-        region=region,
-        op=torch.ops.moe_fuse.experts.default,
-        op_args=(x, ids, weights, w_gate_up, w_down),
-        output_index=[None],
-        input_kinds=["hidden", "expert_ids", "routing_weights", "param", "param"],
-        anchor=up_bmm,
-        notes=notes,
-    )
+    return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_bmm, notes)
 
 
 def _weight_gather(bmm: fx.Node) -> fx.Node | None:

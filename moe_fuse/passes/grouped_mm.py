@@ -35,9 +35,10 @@ from .graph import (
     expect_literal,
     getitem_user,
     is_op,
-    user_of,
+    meta_value,
     same_size,
     shape_of,
+    user_of,
 )
 
 PATTERN = "grouped_mm_experts"
@@ -189,16 +190,26 @@ def match(up_mm: fx.Node) -> Candidate:
         weights_dtype=dtype_of(weights),
         expert_parallel_sentinels=mask is not None or mask2 is not None,
     )
-    region = collect_region([x, ids, weights, w_gate_up, w_down], [out])
+    return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm)
+
+
+def experts_candidate(pattern: str, spec: ExpertsSpec, inputs, out: fx.Node, anchor: fx.Node, notes=()) -> Candidate:
+    """The region from ``inputs`` (x, ids, weights, W_gate_up, W_down) to ``out`` as one ``moe_fuse.experts`` call.
+
+    The call keeps h for the backward (its last argument) when the graph is traced for training, as
+    AOTAutograd decides it: grad mode on and an input that requires grad. Shared by the experts patterns.
+    """
+    save_h = torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False) for n in inputs)
     return Candidate(
-        pattern=PATTERN,
+        pattern=pattern,
         spec=spec,
-        region=region,
+        region=collect_region(list(inputs), [out]),
         op=torch.ops.moe_fuse.experts.default,
-        op_args=(x, ids, weights, w_gate_up, w_down),
-        output_index=[None],
+        op_args=(*inputs, save_h),
+        output_index=[0],
         input_kinds=["hidden", "expert_ids", "routing_weights", "param", "param"],
-        anchor=up_mm,
+        anchor=anchor,
+        notes=list(notes),
     )
 
 
