@@ -42,13 +42,15 @@ class GraphReport:
                 "verified": verified,
                 "nodes_replaced": nodes_replaced,
                 "where": _where(where, cand.anchor),
+                "notes": list(cand.notes),
             }
         )
 
-    def reject(self, pattern: str, reason: str, where: str, node=None):
-        self.rejected.append({"pattern": pattern, "reason": reason, "where": _where(where, node)})
-        if pattern == "eager_experts_loop" and pattern not in _warned:
-            _warned.add(pattern)
+    def reject(self, pattern: str, reason: str, where: str, node=None, notes=()):
+        """``notes``: what the pattern noted about a candidate that verification then turned down."""
+        self.rejected.append({"pattern": pattern, "reason": reason, "where": _where(where, node), "notes": list(notes)})
+        if pattern == "eager_experts_loop" and reason not in _warned:  # once per advice, not per graph
+            _warned.add(reason)
             warnings.warn(f"moe_fuse: {reason}", stacklevel=2)
 
     def to_json(self) -> dict:
@@ -63,8 +65,10 @@ class GraphReport:
                 shape += f" I={m['intermediate']}"
             lines.append(f"  fused    {m['pattern']:<22} {shape} {m['dtype']:<8} "
                          f"verified={m['verified']} nodes={m['nodes_replaced']} at {m['where']}")
+            lines.extend(f"           note: {note}" for note in m.get("notes", ()))
         for r in self.rejected:
             lines.append(f"  unfused  {r['pattern']:<22} at {r['where']}: {r['reason']}")
+            lines.extend(f"           note: {note}" for note in r.get("notes", ()))
         return "\n".join(lines)
 
 

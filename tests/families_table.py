@@ -30,6 +30,9 @@ def _short(reason: str) -> str:
     reason = re.sub(r"\b([a-z_]+?)_\d+\b", r"\1", reason)  # gate_1 -> gate
     if reason.startswith("transformers' 'eager' experts implementation loops"):
         reason = "a Python loop over experts; Dynamo splits it at nonzero()/where(), no graph holds the block"
+    elif "runs its experts as a Python loop in its own modeling code" in reason:
+        reason = ("a Python loop over experts in its own modeling code; Dynamo splits it at nonzero()/where(), "
+                  "no graph holds the block; no experts implementation to switch")
     return reason.strip().rstrip(".")
 
 

@@ -161,3 +161,20 @@ def test_structural_difference_is_rejected_with_its_reason(tmp_path):
     assert rejection["pattern"] == "batched_mm_experts"
     assert "gelu" in rejection["reason"] and "expected one silu" in rejection["reason"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_notes_reach_report_and_explain(tmp_path):
+    """The 5.17 spelling (clamp without a sentinel mask) is proved on in-range ids only: the report says so."""
+    import moe_fuse
+
+    want, got, report = run("clamp_only", tmp_path)
+    (m,) = report["matches"]
+    note = f"expert ids clamped to [0, {E - 1}] without a sentinel mask: proved on in-range ids"
+    assert m["notes"] == [note]
+    assert f"note: {note}" in (tmp_path / "summary.txt").read_text()
+    explanation = moe_fuse.explain(HandWrittenBatchedMM("clamp_only"), *routing())
+    (m,) = explanation.matches
+    assert m["notes"] == [note] and f"note: {note}" in str(explanation)
+    # A match without notes has an empty list, so report.json has one shape.
+    _, _, plain = run("exact", tmp_path / "exact")
+    assert plain["matches"][0]["notes"] == []

@@ -12,12 +12,12 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 
-from . import batched_mm, eager_loop, grouped_mm, router
+from . import batched_mm, eager_loop, grouped_mm, router, torchtitan
 from .candidate import Candidate, Rejection
 from .rewrite import rewrite
 from .verify import verify
 
-PATTERN_MODULES = (grouped_mm, batched_mm, router, eager_loop)  # also the rewrite order
+PATTERN_MODULES = (grouped_mm, batched_mm, torchtitan, router, eager_loop)  # also the rewrite order
 
 
 class RealValues:
@@ -83,7 +83,7 @@ def checkpointed_bodies(gm: fx.GraphModule) -> set[str]:
 def _recompute_h(cand: Candidate) -> None:
     """Inside a checkpointed body the backward recomputes h itself: saving it would make the partitioner
     re-run the whole fused forward in the backward just to rebuild h."""
-    if cand.op is torch.ops.moe_fuse.experts.default and cand.op_args[-1] is True:
+    if cand.op in (torch.ops.moe_fuse.experts.default, torchtitan.experts_call) and cand.op_args[-1] is True:
         cand.op_args = (*cand.op_args[:-1], False)
 
 
@@ -101,7 +101,7 @@ def run_passes(gm: fx.GraphModule, example_inputs, report, verify_matches: bool 
                 _recompute_h(item)
             reason = verify(item, values) if verify_matches else None
             if reason is not None:
-                report.reject(item.pattern, reason, where, item.anchor)
+                report.reject(item.pattern, reason, where, item.anchor, notes=item.notes)
             else:
                 accepted.append(item)
         changed = False

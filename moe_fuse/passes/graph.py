@@ -32,6 +32,10 @@ def _function_names():
         torch.softmax: "softmax",
         torch.topk: "topk",
         torch.sort: "sort",
+        torch.argsort: "argsort",
+        torch.scatter_add: "scatter_add",
+        torch.zeros_like: "zeros_like",
+        torch.zeros: "zeros",
         torch.histc: "histc",
         torch.cumsum: "cumsum",
         F.silu: "silu",
@@ -191,7 +195,8 @@ class Region:
     inputs: list[fx.Node]
     outputs: list[fx.Node]
     nodes: list[fx.Node]
-    # Values the region reads that are not tensors (symbolic sizes): free inputs.
+    # Values the region reads that are not tensors (symbolic sizes), and tensors it reads only for
+    # their shape and dtype (the argument of ``zeros_like``): free inputs.
     free: list[fx.Node] = field(default_factory=list)
 
 
@@ -202,13 +207,20 @@ def _is_size_value(node: fx.Node) -> bool:
     )
 
 
+# Factories that read only the shape, dtype and device of their first argument.
+_SHAPE_ONLY = {"zeros_like", "empty_like", "ones_like"}
+
+
 def collect_region(inputs: list[fx.Node], outputs: list[fx.Node]) -> Region:
     """All nodes between ``inputs`` and ``outputs``, and the in-place writes into them.
 
-    Raises NoMatch when the outputs depend on a tensor that is not an input.
+    The argument of a ``zeros_like``-style factory that the region does not compute otherwise is a
+    free input (its values are never read). Raises NoMatch when the outputs depend on a tensor that
+    is not an input.
     """
     inside: set[fx.Node] = set()
     free: set[fx.Node] = set()
+    shape_only: set[fx.Node] = set()
     stop = set(inputs)
 
     def visit(start: fx.Node):
@@ -228,6 +240,10 @@ def collect_region(inputs: list[fx.Node], outputs: list[fx.Node]) -> Region:
                 free.add(node)
                 continue
             inside.add(node)
+            if op_name(node) in _SHAPE_ONLY and isinstance(node.args[0], fx.Node):
+                shape_only.add(node.args[0])
+                stack.extend(n for n in node.all_input_nodes if n is not node.args[0])
+                continue
             stack.extend(node.all_input_nodes)
 
     for out in outputs:
@@ -245,6 +261,7 @@ def collect_region(inputs: list[fx.Node], outputs: list[fx.Node]) -> Region:
                     for dep in user.all_input_nodes:
                         visit(dep)
                     changed = True
+    free.update(n for n in shape_only if n not in inside and n not in stop)
     order = {n: i for i, n in enumerate(outputs[0].graph.nodes)}
     return Region(
         inputs=list(inputs),

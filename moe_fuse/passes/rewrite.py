@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
+from torch.fx.proxy import GraphAppendingTracer, Proxy
 
 from .candidate import Candidate
 from .graph import meta_value, remove_region
@@ -20,6 +22,39 @@ def _fake_result(cand: Candidate):
         return cand.op(*fakes)
 
 
+def _fake_mode(values):
+    return next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
+
+
+def _insert_call(graph: fx.Graph, cand: Candidate) -> fx.Node:
+    """The op call node. A custom op is one node; a Python function of the region inputs that calls
+    it (reshapes, casts, a weight concatenation around the op) is traced into the graph, each new
+    node with its fake value."""
+    if isinstance(cand.op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        call = graph.call_function(cand.op, cand.op_args)
+        call.meta["example_value"] = _fake_result(cand)
+        return call
+    before = set(graph.nodes)
+    tracer = GraphAppendingTracer(graph)
+    result = cand.op(*(Proxy(a, tracer) if isinstance(a, fx.Node) else a for a in cand.op_args))
+    mode = _fake_mode(meta_value(a) for a in cand.op_args if isinstance(a, fx.Node))
+    stack = cand.anchor.meta.get("nn_module_stack")
+    for node in graph.nodes:
+        if node in before:
+            continue
+        if stack:
+            node.meta["nn_module_stack"] = stack
+        if mode is None:
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), meta_value)
+        with mode:
+            if node.op == "call_method":
+                node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                node.meta["example_value"] = node.target(*args, **kwargs)
+    return result.node
+
+
 def rewrite(cand: Candidate) -> int:
     """Insert the op, redirect every outside use of the region's outputs, erase what is dead.
 
@@ -30,10 +65,9 @@ def rewrite(cand: Candidate) -> int:
     position = {n: i for i, n in enumerate(graph.nodes)}
     last_input = max(position[n] for n in region.inputs)
     first = next(n for n in region.nodes if position[n] > last_input)
-    fake = _fake_result(cand)
     with graph.inserting_before(first):
-        call = graph.call_function(cand.op, cand.op_args)
-        call.meta["example_value"] = fake
+        call = _insert_call(graph, cand)
+        fake = call.meta.get("example_value")
         call.meta["moe_fuse"] = cand.pattern
         if cand.anchor.meta.get("nn_module_stack"):
             call.meta["nn_module_stack"] = cand.anchor.meta["nn_module_stack"]

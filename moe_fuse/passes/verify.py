@@ -9,6 +9,8 @@ untouched, with the reason recorded.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .candidate import Candidate
@@ -29,6 +31,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _concrete_value(node):
     value = meta_value(node)
+    if isinstance(value, torch.Tensor):  # read only for its shape and dtype (zeros_like's argument)
+        return torch.zeros([concrete(s) for s in value.shape], dtype=value.dtype, device=value.device)
     if isinstance(value, (tuple, list)):
         return type(value)(concrete(v) for v in value)
     return concrete(value)
@@ -53,12 +57,13 @@ def make_probes(cand: Candidate, resolve, generator: torch.Generator) -> list[to
                 probe = real.detach()  # read only: both sides get their own leaf over the same storage
             else:
                 probe = (torch.randn(shape, generator=generator) * shape[-1] ** -0.5).to(device=dev, dtype=dtype)
-        elif kind == "expert_ids":
-            T, k = shape
+        elif kind == "expert_ids":  # [..., k]: k distinct experts per token, as top-k picks them
+            *lead, k = shape
+            T = math.prod(lead)
             probe = torch.rand(T, spec.num_experts, generator=generator).argsort(dim=-1)[:, :k]
             if spec.expert_parallel_sentinels:  # some rows routed to another rank's experts
                 probe[torch.rand(T, k, generator=generator) < 0.2] = spec.num_experts
-            probe = probe.to(device=dev, dtype=dtype)
+            probe = probe.reshape(shape).contiguous().to(device=dev, dtype=dtype)
         elif kind == "routing_weights":
             probe = (rand(*shape) + 0.1).to(dtype)
         else:
@@ -104,8 +109,11 @@ def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
                 return reason
 
             # A region computes in its least precise float dtype (bf16 experts with fp32
-            # routing weights round like bf16 throughout): judge every value by that.
-            tol = max(TOLERANCE[t.dtype] for t in [*probes, *want] if t.is_floating_point())
+            # routing weights round like bf16 throughout; fp32 in and out with bf16 GEMMs
+            # inside, as TorchTitan casts): judge every value by that.
+            inner = [meta_value(n) for n in cand.region.nodes]
+            dtypes = {t.dtype for t in [*probes, *want, *inner] if isinstance(t, torch.Tensor)}
+            tol = max(TOLERANCE[d] for d in dtypes if d in TOLERANCE)
             cotangents = []
             for name, g, w in zip([n.name for n in cand.region.outputs], got, want):
                 if g.shape != w.shape or g.dtype != w.dtype:
