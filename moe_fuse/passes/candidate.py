@@ -14,6 +14,9 @@ from .graph import Region
 class Candidate:
     """Replace ``region`` by ``op(*op_args)``.
 
+    ``op`` is a custom op, or a Python function that calls one with a few tensor ops around it
+    (reshapes, casts, a weight concatenation): the rewrite traces such a function into the graph.
+
     ``op_args`` are region inputs (fx nodes) or literals. ``output_index[i]`` is
     the element of the op's result that stands for ``region.outputs[i]`` (None
     when the op returns a single tensor). ``input_kinds`` tells verification how
