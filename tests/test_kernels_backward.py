@@ -124,17 +124,14 @@ def test_all_slots_off_rank(monkeypatch):
     ],
 )
 def test_tma_descriptor_path(dtype, mode, saved_h, monkeypatch):
-    """The Hopper path (weights, d_h in the dx GEMM, and the sorted-order wgrad operands through tensor
-    descriptors), run by the interpreter.
+    """The Hopper path (weights, and d_h in the dx GEMM, through tensor descriptors), run by the interpreter.
 
     I = 24 < BLOCK_N: gate tiles run into the up rows, the last expert's tiles past the tensor's end;
-    H = 40 is not a multiple of BLOCK_K: the W_down K tail reads the next expert's rows. The wgrad's
-    descriptor reads run past each expert's rows into the next expert's (and, with sentinels, into rows
-    no kernel wrote: NaN here, from the poisoned buffers).
+    H = 40 is not a multiple of BLOCK_K: the W_down K tail reads the next expert's rows.
     """
     args = make_case(26, 3, 5, 40, 24, dtype, mode, seed=5)
     tma = GemmConfig(16, 32, 32, 1, 4, 1, use_tma=True)
-    cfg = BackwardConfig(tma, tma, GemmConfig(32, 32, 16, 1, 4, 1, use_tma=True))
+    cfg = BackwardConfig(tma, tma, GemmConfig(32, 32, 16, 1, 4, 1))
     dy = torch.randn(26, 40, device=DEVICE).to(dtype)
     check(args, dy, monkeypatch, TOL[dtype] * (1.5 if saved_h else 1), config=cfg, saved_h=saved_h)
 

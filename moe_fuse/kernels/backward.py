@@ -1,32 +1,32 @@
 """The experts block backward from Triton kernels: same result as ``reference.experts_backward``.
 
-Four GEMM launches and a few small ones, no atomics (bitwise repeatable), no host sync:
+A few GEMM launches and small passes, no atomics (bitwise repeatable), no host sync:
 
-0. ``route`` again (three tiny launches): cheaper than saving the permutation in the
-   forward, and it keeps the custom op's saved inputs unchanged.
-1. ``_dgrad_kernel`` over [S, I] tiles in sorted order, K = H. One K loop feeds three
-   accumulators that share the gathered rows of one token: g = dy[tok] @ W_down[e]
-   and the recomputed pre-activation gate | up = x[tok] @ W_gate_up[e]^T. Recomputing h
-   here instead of calling gate_up(save_h=True) costs no extra FLOPs (gate_up would
-   recompute it too), saves a launch and an [S, 2I] write + read, and gives h in fp32
-   as the reference has it. The epilogue writes
-     d_h = dSwiGLU(weight * g)            [S, 2I] gate | up, weights' dtype
-     aw  = weight * silu(gate) * up       [S, I]   (A operand of dW_down)
-     per-N-tile partial sums of g * a     [n_tiles, S] fp32 (d_weights, summed in step 4)
+0. ``route`` again (three tiny launches): cheaper than saving the permutation.
+1. dgrad, in one of two ways:
+   - the forward kept h (``experts_forward(save_h=True)``, the training default): ``_dy_wdown_kernel``
+     computes g = dy[tok] @ W_down[e] ([S, I], sorted order, K = H), then ``_dswiglu_kernel``, a
+     bandwidth-bound pass over whole rows, writes
+       d_h = dSwiGLU(weight * g)         [S, 2I] gate | up, weights' dtype
+       aw  = weight * silu(gate) * up    [S, I]   (A operand of dW_down)
+       d_weights = sum_i g * a           [S] by row, one fixed-order sum per row
+     (with that epilogue inside the GEMM, the 128x128 tile spilled and ran at half speed);
+   - h was not kept (activation checkpointing, where re-running the forward to rebuild h would
+     cost more): ``_dgrad_kernel`` over [S, I] tiles feeds three accumulators from one K loop,
+     g and the recomputed gate | up = x[tok] @ W_gate_up[e]^T, and its epilogue writes d_h, aw and
+     per-N-tile partial sums of g * a that ``_dweights_kernel`` adds in tile order.
 2. ``_dx_kernel``: d_h[p] @ W_gate_up[e] -> [S, H], each row written to its
    (token, slot) place; ``combine`` then sums the k slots in a fixed order (fp32).
 3. ``_wgrad_kernel`` twice, one program per (expert, M-tile, N-tile), K = the
    expert's rows (zero rows: zeros), experts with the most rows first:
      dW_down[e]    = dy[tok]^T @ aw     [H, I]
      dW_gate_up[e] = d_h^T @ x[tok]     [2I, H]
-4. ``_dweights_kernel``: sums the partials in tile order and puts d_weights back in
-   [T, k] order (sentinel rows: zero).
 
 dx needs d_h, which needs the whole dgrad row block, so steps 1 and 2 cannot share a program:
 d_h makes one round trip through memory ([S, 2I], weights' dtype), as in any unfused backward.
 
 GEMM operands are the weights' dtype (dy and x are cast to it, as the forward casts x),
-accumulation is fp32; d_h and aw are stored in the weights' dtype, which is where this
+accumulation is fp32; g, h, d_h and aw are stored in the weights' dtype, which is where this
 differs from the all-fp32 reference (a few 1e-3 relative in bf16).
 """
 
@@ -59,7 +59,6 @@ def _dgrad_kernel(
     wgu_desc,  # [E * 2I, H] view, blocks [BLOCK_N, BLOCK_K] (USE_TMA only)
     wd_ptr,  # [E, H, I]
     wd_desc,  # [E * H, I] view, blocks [BLOCK_K, BLOCK_N] (USE_TMA only)
-    h_ptr,  # [S, 2I] the forward's pre-activation gate | up, sorted order (only when not RECOMPUTE)
     dh_ptr,  # [S, 2I] out, sorted order
     aw_ptr,  # [S, I] out, sorted order
     part_ptr,  # [num_n_tiles, S] fp32 out: sum over the tile's columns of g * a
@@ -84,7 +83,6 @@ def _dgrad_kernel(
     E_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr,
-    RECOMPUTE: tl.constexpr,  # recompute gate | up from x here (three accumulators) or read the saved h
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -134,69 +132,44 @@ def _dgrad_kernel(
 
     w_dtype = wgu_ptr.dtype.element_ty
     acc_d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if RECOMPUTE:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                a_dy = tl.load(dy_ptrs)
-                a_x = tl.load(x_ptrs)
-            else:
-                k_row = ((k0 + kk) < H)[None, :]
-                a_dy = tl.load(dy_ptrs, mask=k_row, other=0.0)
-                a_x = tl.load(x_ptrs, mask=k_row, other=0.0)
-            if USE_TMA:
-                bd = wd_desc.load([down_row + k0, pid_n * BLOCK_N])
-                bg = wgu_desc.load([gate_row, k0]).T
-                bu = wgu_desc.load([gate_row + I, k0]).T
-            elif EVEN_K:
-                bd = tl.load(d_ptrs, mask=n_in, other=0.0)
-                bg = tl.load(g_ptrs)
-                bu = tl.load(g_ptrs + up_offset)
-            else:
-                k_col = ((k0 + kk) < H)[:, None]
-                bd = tl.load(d_ptrs, mask=k_col & n_in, other=0.0)
-                bg = tl.load(g_ptrs, mask=k_col, other=0.0)
-                bu = tl.load(g_ptrs + up_offset, mask=k_col, other=0.0)
-            a_dy = a_dy.to(w_dtype)
-            a_x = a_x.to(w_dtype)
-            if INTERPRET:  # bf16 tl.dot is wrong in the triton 3.6 interpreter
-                a_dy = a_dy.to(tl.float32)
-                a_x = a_x.to(tl.float32)
-                bd = bd.to(tl.float32)
-                bg = bg.to(tl.float32)
-                bu = bu.to(tl.float32)
-            acc_d = tl.dot(a_dy, bd, acc_d, input_precision=DOT_PRECISION)
-            acc_g = tl.dot(a_x, bg, acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(a_x, bu, acc_u, input_precision=DOT_PRECISION)
-            dy_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K * stride_xh
-            d_ptrs += BLOCK_K * stride_wdh
-            g_ptrs += BLOCK_K * stride_guh
-    else:
-        # One accumulator: g = dy[tok] @ W_down[e]; gate | up come from the forward's saved h.
-        for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                a_dy = tl.load(dy_ptrs)
-            else:
-                a_dy = tl.load(dy_ptrs, mask=((k0 + kk) < H)[None, :], other=0.0)
-            if USE_TMA:
-                bd = wd_desc.load([down_row + k0, pid_n * BLOCK_N])
-            elif EVEN_K:
-                bd = tl.load(d_ptrs, mask=n_in, other=0.0)
-            else:
-                bd = tl.load(d_ptrs, mask=((k0 + kk) < H)[:, None] & n_in, other=0.0)
-            a_dy = a_dy.to(w_dtype)
-            if INTERPRET:  # bf16 tl.dot is wrong in the triton 3.6 interpreter
-                a_dy = a_dy.to(tl.float32)
-                bd = bd.to(tl.float32)
-            acc_d = tl.dot(a_dy, bd, acc_d, input_precision=DOT_PRECISION)
-            dy_ptrs += BLOCK_K
-            d_ptrs += BLOCK_K * stride_wdh
-        h_ptrs = h_ptr + pos.to(tl.int64)[:, None] * (2 * I) + n[None, :]
-        h_mask = row_valid[:, None] & n_in
-        acc_g = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
-        acc_u = tl.load(h_ptrs + I, mask=h_mask, other=0.0).to(tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a_dy = tl.load(dy_ptrs)
+            a_x = tl.load(x_ptrs)
+        else:
+            k_row = ((k0 + kk) < H)[None, :]
+            a_dy = tl.load(dy_ptrs, mask=k_row, other=0.0)
+            a_x = tl.load(x_ptrs, mask=k_row, other=0.0)
+        if USE_TMA:
+            bd = wd_desc.load([down_row + k0, pid_n * BLOCK_N])
+            bg = wgu_desc.load([gate_row, k0]).T
+            bu = wgu_desc.load([gate_row + I, k0]).T
+        elif EVEN_K:
+            bd = tl.load(d_ptrs, mask=n_in, other=0.0)
+            bg = tl.load(g_ptrs)
+            bu = tl.load(g_ptrs + up_offset)
+        else:
+            k_col = ((k0 + kk) < H)[:, None]
+            bd = tl.load(d_ptrs, mask=k_col & n_in, other=0.0)
+            bg = tl.load(g_ptrs, mask=k_col, other=0.0)
+            bu = tl.load(g_ptrs + up_offset, mask=k_col, other=0.0)
+        a_dy = a_dy.to(w_dtype)
+        a_x = a_x.to(w_dtype)
+        if INTERPRET:  # bf16 tl.dot is wrong in the triton 3.6 interpreter
+            a_dy = a_dy.to(tl.float32)
+            a_x = a_x.to(tl.float32)
+            bd = bd.to(tl.float32)
+            bg = bg.to(tl.float32)
+            bu = bu.to(tl.float32)
+        acc_d = tl.dot(a_dy, bd, acc_d, input_precision=DOT_PRECISION)
+        acc_g = tl.dot(a_x, bg, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a_x, bu, acc_u, input_precision=DOT_PRECISION)
+        dy_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xh
+        d_ptrs += BLOCK_K * stride_wdh
+        g_ptrs += BLOCK_K * stride_guh
 
     # ---- epilogue, fp32: SwiGLU recomputed, its backward, the routing-weight gradient's partial sum
     rw = tl.load(rw_ptr + src, mask=row_valid, other=0.0).to(tl.float32)[:, None]
@@ -215,6 +188,139 @@ def _dgrad_kernel(
     tl.store(dh_ptrs + I, d_up.to(dh_ptr.dtype.element_ty), mask=out_mask)
     tl.store(aw_ptr + pos64[:, None] * I + n[None, :], (rw * a).to(aw_ptr.dtype.element_ty), mask=out_mask)
     tl.store(part_ptr + pid_n.to(tl.int64) * S + pos64, partial, mask=row_valid)
+
+
+@lazy_jit
+def _dy_wdown_kernel(
+    dy_ptr,  # [T, H] contiguous
+    order_ptr,  # [S] int32, sorted position -> row
+    counts_ptr,  # [E] int32
+    wd_ptr,  # [E, H, I]
+    wd_desc,  # [E * H, I] view, blocks [BLOCK_K, BLOCK_N] (USE_TMA only)
+    g_ptr,  # [S, I] out, sorted order: g = dy[tok] @ W_down[e]
+    H,
+    I,
+    E,
+    num_m_tiles,
+    stride_wde,
+    stride_wdh,
+    stride_wdi,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_P2: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The dgrad GEMM alone, when the forward kept h: g = dy[tok] @ W_down[e], stored as is.
+
+    With the dSwiGLU epilogue in this kernel (read h, write d_h and aw) the 128x128 tile spilled
+    (ptxas, sm_90a) and ran at 2x its main loop's time; ``_dswiglu_kernel`` does that part as a
+    bandwidth-bound pass instead (bench/KERNELS_NOTES.md).
+    """
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(I, BLOCK_N)
+    per_group = GROUP_M * num_n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    bins = tl.arange(0, E_P2)
+    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    if pid_m >= tl.sum(tiles, axis=0):
+        return
+    before = tl.cumsum(tiles, axis=0) <= pid_m
+    expert = tl.sum(before.to(tl.int32), axis=0)
+    tile_in_expert = pid_m - tl.sum(tl.where(before, tiles, 0), axis=0)
+    row_begin = tl.sum(tl.where(before, counts, 0), axis=0)
+    row_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
+
+    m = tile_in_expert * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = m < row_count
+    pos = row_begin + m
+    src = tl.load(order_ptr + pos, mask=row_valid, other=0)
+    token = (src // TOP_K).to(tl.int64)  # rows past the expert's end read token 0: never stored
+
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = (n < I)[None, :]  # a mask, not a clamp: the contiguous dimension of the W_down tile
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = dy_ptr + token[:, None] * H + kk[None, :]
+    b_ptrs = wd_ptr + expert.to(tl.int64) * stride_wde + kk[:, None] * stride_wdh + n[None, :] * stride_wdi
+    down_row = expert * H  # USE_TMA: a K tail reads the next expert's rows times dy's zeros
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=((k0 + kk) < H)[None, :], other=0.0)
+        if USE_TMA:
+            b = wd_desc.load([down_row + k0, pid_n * BLOCK_N])
+        elif EVEN_K:
+            b = tl.load(b_ptrs, mask=n_in, other=0.0)
+        else:
+            b = tl.load(b_ptrs, mask=((k0 + kk) < H)[:, None] & n_in, other=0.0)
+        a = a.to(wd_ptr.dtype.element_ty)
+        if INTERPRET:  # bf16 tl.dot is wrong in the triton 3.6 interpreter
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wdh
+
+    out_mask = row_valid[:, None] & n_in
+    tl.store(g_ptr + pos.to(tl.int64)[:, None] * I + n[None, :], acc.to(g_ptr.dtype.element_ty), mask=out_mask)
+
+
+@lazy_jit
+def _dswiglu_kernel(
+    g_ptr,  # [S, I] sorted order
+    h_ptr,  # [S, 2I] sorted order: the forward's gate | up
+    rw_ptr,  # [S] routing weights, by row
+    order_ptr,  # [S] int32
+    offsets_ptr,  # [E + 1] int32; offsets[E] = routed rows
+    dh_ptr,  # [S, 2I] out, sorted order
+    aw_ptr,  # [S, I] out, sorted order
+    dw_ptr,  # [S] out, by row: d_weights = sum_i g * silu(gate) * up
+    S,
+    I,
+    E,
+    BLOCK_R: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """Per routed row p (sorted order): d_h = dSwiGLU(w * g), aw = w * a, d_weights = sum(g * a); fp32 math.
+
+    Whole rows per program, so the d_weights row sum is one fixed-order reduction (no partials).
+    Sentinel rows (past offsets[E]) get d_weights = 0 and nothing else.
+    """
+    p = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_s = p < S
+    routed = p < tl.load(offsets_ptr + E)
+    src = tl.load(order_ptr + p, mask=in_s, other=0)
+    w = tl.load(rw_ptr + src, mask=routed, other=0.0).to(tl.float32)[:, None]
+    p64 = p.to(tl.int64)[:, None]
+    dw = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        mask = routed[:, None] & (i < I)[None, :]
+        g = tl.load(g_ptr + p64 * I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        act = gate * sig  # silu(gate)
+        a = act * up
+        dw += tl.sum(g * a, axis=1)
+        d_a = w * g
+        tl.store(dh_ptr + p64 * (2 * I) + i[None, :], (d_a * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dh_ptr + p64 * (2 * I) + I + i[None, :], (d_a * act).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(aw_ptr + p64 * I + i[None, :], (w * a).to(aw_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_ptr + src, dw.to(dw_ptr.dtype.element_ty), mask=in_s)
 
 
 @lazy_jit
@@ -302,9 +408,7 @@ def _dx_kernel(
 @lazy_jit
 def _wgrad_kernel(
     l_ptr,  # rows of the left operand (its columns are the output's M)
-    l_desc,  # [rows, M] blocks [BLOCK_K, BLOCK_M] (L_TMA only)
     r_ptr,  # rows of the right operand (its columns are the output's N)
-    r_desc,  # [rows, N] blocks [BLOCK_K, BLOCK_N] (R_TMA only)
     order_ptr,  # [S] int32
     offsets_ptr,  # [E + 1] int32
     experts_ptr,  # [E] int32: experts by decreasing row count (the longest reductions start first)
@@ -320,8 +424,6 @@ def _wgrad_kernel(
     TOP_K: tl.constexpr,
     L_GATHER: tl.constexpr,  # row of p is token(p) (True) or p itself (False)
     R_GATHER: tl.constexpr,
-    L_TMA: tl.constexpr,  # an operand in sorted order (not gathered) read through its descriptor
-    R_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -364,15 +466,9 @@ def _wgrad_kernel(
             r_rows = token
         else:
             r_rows = pos.to(tl.int64)
-        # Rows past the expert's end belong to the next expert (or are unwritten): both operands read zeros there.
-        if L_TMA:
-            lt = tl.where(k_ok[:, None], l_desc.load([row_begin + k0, pid_m * BLOCK_M]), 0.0)
-        else:
-            lt = tl.load(l_ptr + l_rows[:, None] * stride_lr + m[None, :] * stride_lc, mask=k_ok[:, None] & m_in, other=0.0)
-        if R_TMA:
-            rt = tl.where(k_ok[:, None], r_desc.load([row_begin + k0, pid_n * BLOCK_N]), 0.0)
-        else:
-            rt = tl.load(r_ptr + r_rows[:, None] * stride_rr + n[None, :] * stride_rc, mask=k_ok[:, None] & n_in, other=0.0)
+        # Rows past the expert's end belong to the next expert: both operands read zeros there.
+        lt = tl.load(l_ptr + l_rows[:, None] * stride_lr + m[None, :] * stride_lc, mask=k_ok[:, None] & m_in, other=0.0)
+        rt = tl.load(r_ptr + r_rows[:, None] * stride_rr + n[None, :] * stride_rc, mask=k_ok[:, None] & n_in, other=0.0)
         lt = lt.to(out_dtype)
         rt = rt.to(out_dtype)
         if INTERPRET:
@@ -411,9 +507,10 @@ def _dweights_kernel(
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    dgrad: GemmConfig  # [S, I] tiles, K = H, three accumulators
+    dgrad: GemmConfig  # [S, I] tiles, K = H (three accumulators when recomputing h, one when reading it)
     dx: GemmConfig  # [S, H] tiles, K = 2I
-    wgrad: GemmConfig  # per expert [H, I] and [2I, H] tiles, K = the expert's rows
+    wgrad: GemmConfig  # per expert [2I, H] tiles of dW_gate_up (and dW_down's unless set below), K = the expert's rows
+    wgrad_down: GemmConfig | None = None  # per expert [H, I] tiles of dW_down
 
 
 INTERPRETER_BACKWARD_CONFIG = BackwardConfig(
@@ -437,10 +534,9 @@ def default_backward_config(
     # dx has the forward down GEMM's shape family ([S, N] tiles, a K loop over the weights).
     dx = default_config("down", S, E, H, 2 * I, dtype)
     if saved_h:
-        # One accumulator and a gathered A operand over K = H: the forward gate_up's shape family, whose
-        # [BM, 2 x BN] tile is this kernel's accumulator plus the two h tiles read in the epilogue.
-        dgrad = default_config("gate_up", S, E, I, H, dtype)
-        return BackwardConfig(dgrad, dx, _wgrad_config(S, E, dtype))
+        # A plain GEMM over K = H with [S, N] tiles: the forward down GEMM's shape family.
+        dgrad = default_config("down", S, E, I, H, dtype)
+        return BackwardConfig(dgrad, dx, _wgrad_config(S, E, dtype, "gate_up"), _wgrad_config(S, E, dtype, "down"))
     if not wide:
         # fp32 (tf32 dots) holds more in registers: larger dgrad tiles spill (ptxas, sm_90a). Not a speed target.
         dgrad = GemmConfig(32, 32, 64, 1, 4, 3)
@@ -455,45 +551,98 @@ def default_backward_config(
         # ~100 bytes (ptxas) and still beat 128x64 tiles by 13% (437 vs 382-408 TFLOP/s): half the
         # re-reads of the gathered dy and x rows. 128x128 at BK=64 (2 stages) lost 13%.
         dgrad = GemmConfig(128, 128, 32, 8, 8, 3, use_tma=True)
-    return BackwardConfig(dgrad, dx, _wgrad_config(S, E, dtype))
+    return BackwardConfig(dgrad, dx, _wgrad_config(S, E, dtype, "gate_up"), _wgrad_config(S, E, dtype, "down"))
 
 
-def _wgrad_config(S: int, E: int, dtype: torch.dtype) -> GemmConfig:
+def _wgrad_config(S: int, E: int, dtype: torch.dtype, kind: str) -> GemmConfig:
+    """kind "gate_up": dW_gate_up [2I, H] per expert; "down": dW_down [H, I]."""
     if interpreting():
         return INTERPRETER_BACKWARD_CONFIG.wgrad
     bk = 64 if dtype != torch.float32 else 32
     if S / max(E, 1) <= 160:
         # Short reductions: the cost is writing [M, N] per expert; smaller tiles, more programs.
         return GemmConfig(64, 128, bk, 4, 4, 3)
-    return GemmConfig(128, 128, bk, 8, 8, 3)
+    if dtype == torch.float32:
+        return GemmConfig(128, 128, bk, 8, 8, 3)
+    # H200, 30B layer, T=16384 (bench/KERNELS_NOTES.md): 2 x 128 x 128 tiles along the longer output
+    # side with 5 stages beat 128x128x64 s3 by 8-9% on both (1.03 vs 1.13 ms, 2.05 vs 2.22 ms).
+    if kind == "down":
+        return GemmConfig(128, 256, bk, 8, 8, 5)
+    return GemmConfig(256, 128, bk, 8, 8, 5)
 
 
 # --------------------------------------------------------------------------- launchers
 
 
-def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, h=None, *, config: GemmConfig | None = None):
+def dgrad_saved(dy, routing: Routing, rw, h, w_down, top_k: int, weights_dtype, *, config: GemmConfig | None = None):
+    """(d_h [S, 2I], aw [S, I], d_weights [S] by row): the dgrad when the forward kept h [S, 2I].
+
+    Two launches: the GEMM g = dy[tok] @ W_down[e] ([S, I], weights' dtype), then the dSwiGLU pass.
+    """
+    E, H, I = w_down.shape
+    S = routing.order.numel()
+    cfg = config or default_backward_config(S, E, H, I, w_down.dtype, saved_h=True).dgrad
+    g = torch.empty(S, I, dtype=w_down.dtype, device=dy.device)
+    num_m = _m_tiles_bound(S, E, cfg.block_m)
+    use_tma = cfg.use_tma and _tma_ok(w_down)
+    wd_desc = TensorDescriptor.from_tensor(w_down.view(E * H, I), [cfg.block_k, cfg.block_n]) if use_tma else None
+    _dy_wdown_kernel[(num_m * triton.cdiv(I, cfg.block_n),)](
+        dy,
+        routing.order,
+        routing.counts,
+        w_down,
+        wd_desc,
+        g,
+        H,
+        I,
+        E,
+        num_m,
+        *w_down.stride(),
+        TOP_K=top_k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        E_P2=triton.next_power_of_2(E),
+        EVEN_K=H % cfg.block_k == 0,
+        USE_TMA=use_tma,
+        INTERPRET=interpreting(),
+        DOT_PRECISION=_dot_precision(w_down.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    dh = torch.empty(S, 2 * I, dtype=w_down.dtype, device=dy.device)
+    aw = torch.empty(S, I, dtype=w_down.dtype, device=dy.device)
+    d_weights = torch.empty(S, dtype=weights_dtype, device=dy.device)
+    block_r = 4 if interpreting() else 16
+    block_i = 32 if interpreting() else 128
+    _dswiglu_kernel[(triton.cdiv(S, block_r),)](
+        g, h, rw, routing.order, routing.offsets, dh, aw, d_weights, S, I, E, BLOCK_R=block_r, BLOCK_I=block_i,
+        num_warps=4,
+    )
+    return dh, aw, d_weights
+
+
+def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config: GemmConfig | None = None):
     """(d_h [S, 2I], aw [S, I], partials [n_tiles, S] fp32), all in sorted order; see the module docstring.
 
-    dy [T, H] contiguous, rw [S] the routing weights by row (contiguous); h [S, 2I] the forward's
-    saved pre-activation in sorted order (contiguous), or None to recompute it from x.
+    dy [T, H] contiguous, rw [S] the routing weights by row (contiguous); h is recomputed from x.
     """
     E, two_i, H = w_gate_up.shape
     I = two_i // 2
     S = routing.order.numel()
-    recompute = h is None
-    cfg = config or default_backward_config(S, E, H, I, w_gate_up.dtype, saved_h=not recompute).dgrad
+    cfg = config or default_backward_config(S, E, H, I, w_gate_up.dtype).dgrad
     num_n = triton.cdiv(I, cfg.block_n)
     dh = torch.empty(S, two_i, dtype=w_gate_up.dtype, device=x.device)
     aw = torch.empty(S, I, dtype=w_gate_up.dtype, device=x.device)
     part = torch.empty(num_n, S, dtype=torch.float32, device=x.device)
+    num_m = _m_tiles_bound(S, E, cfg.block_m)
     use_tma = cfg.use_tma and _tma_ok(w_gate_up) and _tma_ok(w_down)
     gu_desc = None
     wd_desc = None
     if use_tma:
-        # The saved-h path never reads W_gate_up: any descriptor will do (a [BLOCK_N, BLOCK_K] one is built anyway).
         gu_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * two_i, H), [cfg.block_n, cfg.block_k])
         wd_desc = TensorDescriptor.from_tensor(w_down.view(E * H, I), [cfg.block_k, cfg.block_n])
-    num_m = _m_tiles_bound(S, E, cfg.block_m)
     _dgrad_kernel[(num_m * num_n,)](
         dy,
         x,
@@ -504,7 +653,6 @@ def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, h=None, *,
         gu_desc,
         w_down,
         wd_desc,
-        dh if recompute else h,  # never read when recomputing
         dh,
         aw,
         part,
@@ -525,7 +673,6 @@ def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, h=None, *,
         E_P2=triton.next_power_of_2(E),
         EVEN_K=H % cfg.block_k == 0,
         USE_TMA=use_tma,
-        RECOMPUTE=recompute,
         INTERPRET=interpreting(),
         DOT_PRECISION=_dot_precision(w_gate_up.dtype),
         num_warps=cfg.num_warps,
@@ -588,25 +735,18 @@ def wgrad(left, l_gather: bool, right, r_gather: bool, routing: Routing, num_exp
     """[E, M, N] with out[e] = left[rows of e]^T @ right[rows of e]; a gathered operand is indexed by token.
 
     left [*, M] and right [*, N] are 2-D with any strides; every expert's block is written (zeros without rows).
-    With ``config.use_tma``, an operand in sorted order that is contiguous is read through a tensor descriptor.
     """
     M, N = left.shape[1], right.shape[1]
     E = num_experts
     S = routing.order.numel()
     out = torch.empty(E, M, N, dtype=out_dtype, device=left.device)
-    cfg = config or _wgrad_config(S, E, out_dtype)
+    cfg = config or _wgrad_config(S, E, out_dtype, "gate_up")
     num_m, num_n = triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n)
     if experts_by_load is None:
         experts_by_load = experts_by_rows(routing)
-    l_tma = cfg.use_tma and not l_gather and left.dtype == out_dtype and _tma_ok(left)
-    r_tma = cfg.use_tma and not r_gather and right.dtype == out_dtype and _tma_ok(right)
-    l_desc = TensorDescriptor.from_tensor(left, [cfg.block_k, cfg.block_m]) if l_tma else None
-    r_desc = TensorDescriptor.from_tensor(right, [cfg.block_k, cfg.block_n]) if r_tma else None
     _wgrad_kernel[(E * num_m * num_n,)](
         left,
-        l_desc,
         right,
-        r_desc,
         routing.order,
         routing.offsets,
         experts_by_load,
@@ -622,8 +762,6 @@ def wgrad(left, l_gather: bool, right, r_gather: bool, routing: Routing, num_exp
         TOP_K=top_k,
         L_GATHER=l_gather,
         R_GATHER=r_gather,
-        L_TMA=l_tma,
-        R_TMA=r_tma,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -683,15 +821,19 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
     rw = weights.reshape(-1).contiguous()
     routing = route(ids, E)
 
-    dh, aw, part = dgrad(dy, x, routing, rw, w_gate_up, w_down, k, h, config=cfg.dgrad)
+    if h is None:
+        dh, aw, part = dgrad(dy, x, routing, rw, w_gate_up, w_down, k, config=cfg.dgrad)
+        d_weights = d_weights_by_row(part, routing, E, weights.dtype)
+    else:
+        dh, aw, d_weights = dgrad_saved(dy, routing, rw, h, w_down, k, weights.dtype, config=cfg.dgrad)
     # Slots in the GEMM dtype (fp32 if x is fp32): half the traffic of fp32 slots; the sum over k is fp32.
     slots = dx_slots(dh, routing, w_gate_up, torch.promote_types(x.dtype, w_gate_up.dtype), config=cfg.dx)
     dx = combine(slots, ids, E, x.dtype)
     by_load = experts_by_rows(routing)
-    d_wd = wgrad(dy, True, aw, False, routing, E, k, w_down.dtype, config=cfg.wgrad, experts_by_load=by_load)
+    d_wd = wgrad(dy, True, aw, False, routing, E, k, w_down.dtype, config=cfg.wgrad_down or cfg.wgrad,
+                 experts_by_load=by_load)
     d_wgu = wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad, experts_by_load=by_load)
-    d_weights = d_weights_by_row(part, routing, E, weights.dtype).view(T, k)
-    return dx, d_weights, d_wgu, d_wd
+    return dx, d_weights.view(T, k), d_wgu, d_wd
 
 
 __all__ = ["BackwardConfig", "default_backward_config", "experts_backward", "supports"]
