@@ -45,3 +45,25 @@ class ExpertsSpec:
         d["dtype"] = str(self.dtype).removeprefix("torch.")
         d["weights_dtype"] = str(self.weights_dtype).removeprefix("torch.")
         return d
+
+
+@dataclass(frozen=True)
+class SigmoidRouterSpec(RouterSpec):
+    """DeepSeek-V3 style: linear -> sigmoid -> + selection bias -> [group-limited] top-k -> gather the
+    unbiased scores -> [renorm: / (sum + eps)] -> * scale -> cast to ``weights_dtype``."""
+
+    n_group: int = 1
+    topk_group: int = 1
+    eps: float = 0.0
+    scale: float = 1.0
+    logits_mode: str = "fp32_inputs"  # how the logits are computed: see moe_fuse/router_ops.py
+
+
+@dataclass(frozen=True)
+class TopkSoftmaxRouterSpec(RouterSpec):
+    """GPT-OSS style: linear [+ bias] -> top-k of the logits -> softmax of the k values -> [/ divisor] -> cast."""
+
+    linear_bias: bool = False
+    softmax_dtype: str = "float32"
+    divisor: float = 1.0
+    logits_mode: str = "native"

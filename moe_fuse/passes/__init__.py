@@ -12,12 +12,13 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 
-from . import batched_mm, eager_loop, grouped_mm, router, torchtitan
+from . import batched_mm, eager_loop, grouped_mm, router, router_detect, sigmoid_router, topk_softmax_router, torchtitan
 from .candidate import Candidate, Rejection
 from .rewrite import rewrite
 from .verify import verify
 
-PATTERN_MODULES = (grouped_mm, batched_mm, torchtitan, router, eager_loop)  # also the rewrite order
+PATTERN_MODULES = (grouped_mm, batched_mm, torchtitan, router, sigmoid_router, topk_softmax_router, router_detect,
+                   eager_loop)  # also the rewrite order
 
 
 class RealValues:

@@ -1,0 +1,116 @@
+"""Router-looking top-ks that no router pattern takes: one rejection line each, naming the op that
+breaks the match.
+
+A top-k "looks like a router" when its input, a [tokens, experts] tensor, comes from a linear
+through elementwise ops only (dtype casts, softmax, sigmoid, a bias, a mask, a softcap, ...). The
+router patterns report the top-ks they claim themselves (matched, or rejected with their reason);
+this module reports every other one, so a router that resembles nothing we know still gets a line
+in report.json and ``moe_fuse.explain()``: the chain it found and where it leaves the closest
+pattern. It never rewrites anything.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from . import router, sigmoid_router, topk_softmax_router
+from .candidate import Rejection
+from .graph import NoMatch, same_size, shape_of
+from .router_common import is_, is_fp32_upcast, name
+
+PATTERN = "unmatched_router"
+
+# Elementwise ops a router's scores pass through between its linear and its top-k.
+_WALKABLE = {
+    "float", "to", "type", "type_as", "sigmoid", "softmax", "log_softmax", "logsigmoid", "tanh", "relu", "softplus",
+    "exp", "add", "sub", "mul", "truediv", "masked_fill", "detach", "contiguous", "clone",
+}
+
+# What each router pattern expects between the linear and the top-k (fp32 upcasts aside).
+_OUTLINES = {
+    router.PATTERN: (["softmax"], "top-k right after softmax"),
+    sigmoid_router.PATTERN: (["sigmoid", "add", "masked_fill"], "sigmoid scores + a selection bias, then top-k"),
+    topk_softmax_router.PATTERN: ([], "top-k of the logits themselves"),
+}
+
+
+def _shape(node):
+    try:
+        return tuple(shape_of(node))
+    except NoMatch:
+        return None
+
+
+def _same(a, b) -> bool:
+    """Equal shapes, symbolic sizes compared as expressions (no guards)."""
+    return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def router_chain(topk: fx.Node):
+    """(linear, [ops from the linear to the top-k input]) when the top-k ranks a linear's
+    [tokens, experts] output through elementwise ops; None otherwise."""
+    node = topk.args[0] if topk.args else None
+    shape = _shape(node) if isinstance(node, fx.Node) else None
+    if shape is None or len(shape) != 2:
+        return None
+    chain = []
+    for _ in range(24):
+        if is_(node, "linear"):
+            return (node, chain[::-1]) if _same(_shape(node), shape) else None
+        op = name(node)
+        if op not in _WALKABLE or not _same(_shape(node), shape):
+            return None
+        if op in ("to", "type") and not (len(node.args) == 2 and isinstance(node.args[1], torch.dtype)):
+            return None  # .to(device) and friends: not a router's own arithmetic
+        chain.append(node)
+        operands = node.args[:1] if op not in ("add", "sub", "mul", "truediv") else node.args
+        node = next((a for a in operands if isinstance(a, fx.Node) and _same(_shape(a), shape)), None)
+        if node is None:
+            return None
+    return None
+
+
+def _claimed(topk: fx.Node) -> bool:
+    probs = topk.args[0]
+    logits = router._skip_upcast(probs.args[0]) if is_(probs, "softmax") and probs.args else None
+    by_softmax_router = is_(logits, "linear")
+    return by_softmax_router or sigmoid_router.claims(topk) or topk_softmax_router.claims(topk)
+
+
+def explain_chain(topk: fx.Node, chain: list[fx.Node]) -> tuple[str, fx.Node]:
+    """Why no router pattern takes this chain, and the node where it breaks."""
+    ops = [n for n in chain if not is_fp32_upcast(n)]
+    names = [name(n) for n in ops]
+    best, best_len = None, -1
+    for pattern, (outline, _) in _OUTLINES.items():
+        n = 0
+        while n < min(len(names), len(outline)) and names[n] == outline[n]:
+            n += 1
+        if n > best_len:
+            best, best_len = pattern, n
+    path = " → ".join(["linear", *names, "topk"])
+    if best_len == 0:
+        wants = "; ".join(f"{p}: {what}" for p, (_, what) in _OUTLINES.items())
+        node = ops[0]
+        return f"router-like top-k over {path}: {name(node)} of the logits fits no router pattern ({wants})", node
+    outline, what = _OUTLINES[best]
+    if best_len < len(names):
+        node = ops[best_len]
+        return (f"router-like top-k over {path}: {best} expects {what}; {name(node)} after "
+                f"{names[best_len - 1]} breaks it", node)
+    return f"router-like top-k over {path}: {best} expects {what}; the top-k comes after {names[-1]}", topk
+
+
+def find(graph: fx.Graph) -> list[Rejection]:
+    found = []
+    for node in graph.nodes:
+        if not is_(node, "topk") or _claimed(node):
+            continue
+        walked = router_chain(node)
+        if walked is None:
+            continue
+        _, chain = walked
+        reason, where = explain_chain(node, chain)
+        found.append(Rejection(PATTERN, reason, where))
+    return found
