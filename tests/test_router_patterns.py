@@ -213,6 +213,8 @@ def test_near_miss_is_left_alone(change, reason, tmp_path):
     ("kolibri1", "add", "router-like top-k over linear → add → topk: add of the logits fits no router pattern"),
     ("flint", "topk", "router-like top-k over linear → sigmoid → topk: sigmoid_topk_router expects sigmoid scores "
                       "+ a selection bias, then top-k; the top-k comes after sigmoid"),
+    ("inkling", "routed_scores", "router-like top-k over linear → sigmoid → getitem → add → topk: sigmoid_topk_router "
+                                 "expects sigmoid scores + a selection bias, then top-k; getitem after sigmoid breaks it"),
     ("ernie4_5_moe", "add", "router-like top-k over linear → softmax → add → topk: softmax_topk_router expects "
                             "top-k right after softmax; add after softmax breaks it"),
 ])

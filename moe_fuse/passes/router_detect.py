@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from . import router, sigmoid_router, topk_softmax_router
 from .candidate import Rejection
-from .graph import NoMatch, same_size, shape_of
+from .graph import NoMatch, arg, same_size, shape_of
 from .router_common import is_, is_fp32_upcast, name
 
 PATTERN = "unmatched_router"
@@ -24,7 +24,7 @@ PATTERN = "unmatched_router"
 # Elementwise ops a router's scores pass through between its linear and its top-k.
 _WALKABLE = {
     "float", "to", "type", "type_as", "sigmoid", "softmax", "log_softmax", "logsigmoid", "tanh", "relu", "softplus",
-    "exp", "add", "sub", "mul", "truediv", "masked_fill", "detach", "contiguous", "clone",
+    "exp", "add", "sub", "mul", "truediv", "masked_fill", "detach", "contiguous", "clone", "getitem",
 }
 
 # What each router pattern expects between the linear and the top-k (fp32 upcasts aside).
@@ -47,23 +47,44 @@ def _same(a, b) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
 
 
+def _transparent(node) -> bool:
+    """Ops that change nothing a router pattern cares about: fp32 upcasts, detach, contiguous, clone."""
+    return is_fp32_upcast(node) or is_(node, "detach", "contiguous", "clone")
+
+
+def _slice(node) -> bool:
+    """``t[..., :n]``: a slice of the experts dim (a shared expert's score split off)."""
+    index = node.args[1] if len(node.args) == 2 else None
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(p is Ellipsis or isinstance(p, slice) for p in parts)
+
+
 def router_chain(topk: fx.Node):
-    """(linear, [ops from the linear to the top-k input]) when the top-k ranks a linear's
-    [tokens, experts] output through elementwise ops; None otherwise."""
+    """(linear, [ops from the linear to the top-k input]) when the top-k ranks a linear's output over
+    its last (experts) dim through elementwise ops (and slices of that dim); None otherwise."""
     node = topk.args[0] if topk.args else None
     shape = _shape(node) if isinstance(node, fx.Node) else None
-    if shape is None or len(shape) != 2:
+    if shape is None or len(shape) < 2 or arg(topk, 2, "dim", -1) not in (-1, len(shape) - 1):
         return None
     chain = []
     for _ in range(24):
+        here = _shape(node)
+        if here is None or not _same(here[:-1], shape[:-1]):
+            return None
         if is_(node, "linear"):
-            return (node, chain[::-1]) if _same(_shape(node), shape) else None
+            return node, chain[::-1]
         op = name(node)
-        if op not in _WALKABLE or not _same(_shape(node), shape):
+        if op not in _WALKABLE or (op != "getitem" and not _same(here, shape)):
             return None
         if op in ("to", "type") and not (len(node.args) == 2 and isinstance(node.args[1], torch.dtype)):
             return None  # .to(device) and friends: not a router's own arithmetic
+        if op == "getitem" and not _slice(node):
+            return None
         chain.append(node)
+        if op == "getitem":
+            shape = _shape(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+            if shape is None:
+                return None
         operands = node.args[:1] if op not in ("add", "sub", "mul", "truediv") else node.args
         node = next((a for a in operands if isinstance(a, fx.Node) and _same(_shape(a), shape)), None)
         if node is None:
@@ -80,7 +101,7 @@ def _claimed(topk: fx.Node) -> bool:
 
 def explain_chain(topk: fx.Node, chain: list[fx.Node]) -> tuple[str, fx.Node]:
     """Why no router pattern takes this chain, and the node where it breaks."""
-    ops = [n for n in chain if not is_fp32_upcast(n)]
+    ops = [n for n in chain if not _transparent(n)]
     names = [name(n) for n in ops]
     best, best_len = None, -1
     for pattern, (outline, _) in _OUTLINES.items():
