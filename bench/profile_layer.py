@@ -1,6 +1,8 @@
 """Where the time of one compiled MoE layer goes (GPU): per-kernel profile and a few what-ifs.
 
-    PYTHONPATH=. python3 bench/profile_layer.py [--shape 30b] [--tokens 16384]
+    PYTHONPATH=. python3 bench/profile_layer.py [--shape 30b] [--tokens 16384] [--backward]
+
+--backward profiles forward + backward (parameters and input require grad; no what-ifs).
 
 Prints, for transformers' block under Inductor and under moe_fuse, the CUDA
 kernels that take the time (torch.profiler, averaged over iterations), and the
@@ -39,10 +41,25 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="30b", choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--backward", action="store_true", help="forward + backward, no what-ifs")
     args = parser.parse_args()
     ensure_moe_fuse_backend()
     block = build_block(args.shape, "cuda", torch.bfloat16)
     x = torch.randn(1, args.tokens, SHAPES[args.shape][0], device="cuda", dtype=torch.bfloat16)
+    if args.backward:
+        x.requires_grad_()
+        dy = torch.randn_like(x)
+        for name in ("inductor", "moe_fuse"):
+            fn = torch.compile(block, backend=name)
+
+            def step(fn=fn):
+                out = fn(x)
+                out = out[0] if isinstance(out, tuple) else out
+                out.backward(dy)
+
+            ms = do_bench(step, warmup=20, rep=200, return_mode="median", grad_to_none=[x, *block.parameters()])
+            print(f"== {name} fwd+bwd: {ms:.3f} ms\n{kernel_table(step, top=20)}")
+        return
     with torch.no_grad():
         variants = {name: torch.compile(block, backend=name) for name in ("inductor", "moe_fuse")}
         times = {}
