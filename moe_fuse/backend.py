@@ -22,6 +22,7 @@ OPTION_DOCS = {
     "moe_fuse.inner": f"what compiles the rewritten graph: one of {', '.join(INNER_BACKENDS)} (default inductor)",
     "moe_fuse.debug_dir": "folder for the dumps (default: $MOE_FUSE_DEBUG_DIR, else none)",
     "moe_fuse.verify": "prove each match on random probes before rewriting it (default True)",
+    "moe_fuse.causal_sdpa": "turn a constant plain-causal SDPA mask into is_causal=True (default True)",
 }
 
 
@@ -30,6 +31,7 @@ class Options:
     inner: str = "inductor"
     debug_dir: str | None = None
     verify: bool = True
+    causal_sdpa: bool = True
 
 
 def parse_options(options: dict | None) -> tuple[Options, dict]:
@@ -46,12 +48,15 @@ def parse_options(options: dict | None) -> tuple[Options, dict]:
     verify = ours.get("moe_fuse.verify", True)
     if not isinstance(verify, bool):
         raise ValueError(f"moe_fuse.verify={verify!r}; expected True or False")
+    causal_sdpa = ours.get("moe_fuse.causal_sdpa", True)
+    if not isinstance(causal_sdpa, bool):
+        raise ValueError(f"moe_fuse.causal_sdpa={causal_sdpa!r}; expected True or False")
     debug_dir = ours.get("moe_fuse.debug_dir", os.environ.get("MOE_FUSE_DEBUG_DIR") or None)
     if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
         raise ValueError(f"moe_fuse.debug_dir={debug_dir!r}; expected a folder path")
     if rest and inner != "inductor":
         raise ValueError(f"options {sorted(rest)} are for Inductor, but moe_fuse.inner={inner!r}")
-    return Options(inner, os.fspath(debug_dir) if debug_dir else None, verify), rest
+    return Options(inner, os.fspath(debug_dir) if debug_dir else None, verify, causal_sdpa), rest
 
 
 def inner_compile(gm, example_inputs, opts: Options, mode: str | None, inductor_options: dict):
@@ -74,7 +79,7 @@ def moe_fuse_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | No
         raise ValueError(f"mode={mode!r} is an Inductor mode, but moe_fuse.inner={opts.inner!r}")
     report = debug.new_report()
     before = debug.graph_code(gm)
-    run_passes(gm, example_inputs, report, verify_matches=opts.verify)
+    run_passes(gm, example_inputs, report, verify_matches=opts.verify, causal_sdpa=opts.causal_sdpa)
     after = debug.graph_code(gm)
     debug.emit(report, before, after, opts.debug_dir)
     return inner_compile(gm, example_inputs, opts, mode, inductor_options)

@@ -46,6 +46,13 @@ class GraphReport:
             }
         )
 
+    def rewrite(self, pattern: str, where: str, node, detail: dict):
+        """A rewrite proved exactly rather than by probes (e.g. a constant causal mask), with what it found."""
+        self.matches.append(
+            {"pattern": pattern, **detail, "verified": "proved", "nodes_replaced": 0, "where": _where(where, node),
+             "notes": []}
+        )
+
     def reject(self, pattern: str, reason: str, where: str, node=None, notes=()):
         """``notes``: what the pattern noted about a candidate that verification then turned down."""
         self.rejected.append({"pattern": pattern, "reason": reason, "where": _where(where, node), "notes": list(notes)})
@@ -60,6 +67,11 @@ class GraphReport:
         lines = [f"moe_fuse {self.graph} (compile {self.compile_id}): "
                  f"{len(self.matches)} rewrite(s), {len(self.rejected)} left alone"]
         for m in self.matches:
+            if "num_experts" not in m:  # not an MoE block (see GraphReport.rewrite)
+                detail = " ".join(f"{k}={v}" for k, v in m.items() if k not in ("pattern", "verified", "nodes_replaced",
+                                                                               "where", "notes"))
+                lines.append(f"  rewrote  {m['pattern']:<22} {detail} verified={m['verified']} at {m['where']}")
+                continue
             shape = f"E={m['num_experts']} k={m['top_k']} H={m['hidden']}"
             if "intermediate" in m:
                 shape += f" I={m['intermediate']}"

@@ -12,7 +12,17 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 
-from . import batched_mm, eager_loop, grouped_mm, router, router_detect, sigmoid_router, topk_softmax_router, torchtitan
+from . import (
+    batched_mm,
+    causal_mask,
+    eager_loop,
+    grouped_mm,
+    router,
+    router_detect,
+    sigmoid_router,
+    topk_softmax_router,
+    torchtitan,
+)
 from .candidate import Candidate, Rejection
 from .rewrite import rewrite
 from .verify import verify
@@ -88,7 +98,7 @@ def _recompute_h(cand: Candidate) -> None:
         cand.op_args = (*cand.op_args[:-1], False)
 
 
-def run_passes(gm: fx.GraphModule, example_inputs, report, verify_matches: bool = True):
+def run_passes(gm: fx.GraphModule, example_inputs, report, verify_matches: bool = True, causal_sdpa: bool = True):
     values = RealValues(gm, example_inputs)
     checkpointed = checkpointed_bodies(gm)
     for where, module in graphs_in(gm):
@@ -110,6 +120,8 @@ def run_passes(gm: fx.GraphModule, example_inputs, report, verify_matches: bool 
             removed = rewrite(cand)
             report.match(cand, where, removed, verified=verify_matches)
             changed = True
+        if causal_sdpa:  # not MoE, but the attention half of the same training step (causal_mask.py says why)
+            changed = causal_mask.rewrite_graph(module.graph, report, where, values.alias) or changed
         if changed:
             module.graph.lint()
             module.recompile()
