@@ -1,0 +1,154 @@
+"""Expert parallelism (EP) for transformers' Qwen3-MoE-style experts: the unfused, eager building block.
+
+``shard_experts(model, group)`` keeps, on each rank of ``group``, only that rank's contiguous slice of
+E / world experts of every experts module (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], called
+as ``experts(hidden_states, top_k_index, top_k_weights)``) and replaces its forward with TorchTitan's
+shape of token dispatch:
+
+1. sort the T*k routed rows by global expert id (stable) and count rows per expert;
+2. exchange the per-expert counts with ``all_to_all_single`` (each rank learns how many rows it
+   receives from every rank for each of its local experts);
+3. one ``.tolist()`` turns the counts into the split sizes -- the only host sync, and the thing an
+   overlapped version must remove;
+4. dispatch: ``all_to_all_single`` (uneven splits, autograd) of the permuted token rows;
+5. ``torch.ops.moe_fuse.experts`` on the received rows with local expert ids and k = 1, routing
+   weight 1 (received rows arrive grouped by source rank, then by local expert);
+6. combine: the reverse ``all_to_all_single`` (autograd);
+7. un-permute on the source rank, multiply by the routing weights, sum over the k slots.
+
+Routing weights are applied *after* the combine, on the rank that owns the token (step 7), not before
+the return all-to-all: no weights travel, and their gradient is an ordinary local product.
+
+Every step is differentiable (``torch.distributed._functional_collectives.all_to_all_single_autograd``;
+its backward is the all-to-all with the splits swapped), so a training step needs nothing else: expert
+gradients are complete on their owning rank (they already sum every rank's tokens); non-expert
+gradients still need the usual data-parallel all-reduce over the group.
+
+Still missing (issue #5): matching the dispatch / combine all-to-all chain in torch.compile graphs
+(functional collectives + ``wait_tensor``, and transformers' own sentinel-id EP plan) and rewriting it;
+an overlapped implementation (chunked pipelining of dispatch/combine with the expert GEMMs on separate
+streams, then Triton kernels over ``torch.distributed._symmetric_memory``) with no host sync; the
+same overlap in the backward; the 2-GPU benchmark.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse.*)
+
+
+def _is_experts_module(module: torch.nn.Module) -> bool:
+    gu = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    return (
+        isinstance(gu, torch.nn.Parameter)
+        and isinstance(down, torch.nn.Parameter)
+        and gu.dim() == 3
+        and down.dim() == 3
+        and gu.shape[0] == down.shape[0]
+        and gu.shape[2] == down.shape[1]
+        and gu.shape[1] == 2 * down.shape[2]
+        and getattr(module, "gate_up_proj_bias", None) is None
+        and getattr(module, "down_proj_bias", None) is None
+    )
+
+
+def shard_experts(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> torch.nn.Module:
+    """Shard every Qwen3-MoE-style experts module of ``model`` over ``group`` (default: the world), in place.
+
+    Rank r keeps experts [r*E/W, (r+1)*E/W) as new parameters and runs the all-to-all forward described
+    in the module docstring. Raises ValueError when E is not a multiple of the group size. Returns ``model``.
+    """
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    targets = [m for m in model.modules() if _is_experts_module(m) and not hasattr(m, "_moe_fuse_ep")]
+    for module in targets:  # validate all before changing any
+        E = module.gate_up_proj.shape[0]
+        if E % world:
+            raise ValueError(
+                f"shard_experts: {type(module).__name__} has E={E} experts, not divisible by the "
+                f"expert-parallel world size {world}"
+            )
+    for module in targets:
+        E = module.gate_up_proj.shape[0]
+        local = E // world
+        lo, hi = rank * local, (rank + 1) * local
+        with torch.no_grad():
+            gate_up = module.gate_up_proj[lo:hi].clone()
+            down = module.down_proj[lo:hi].clone()
+        module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=module.gate_up_proj.requires_grad)
+        module.down_proj = torch.nn.Parameter(down, requires_grad=module.down_proj.requires_grad)
+        module._moe_fuse_ep = _EPInfo(group=group, world=world, rank=rank, num_experts=E, first_expert=lo)
+        module.forward = types.MethodType(_ep_experts_forward, module)
+    return model
+
+
+class _EPInfo:
+    def __init__(self, group, world, rank, num_experts, first_expert):
+        self.group = group
+        self.world = world
+        self.rank = rank
+        self.num_experts = num_experts  # global E
+        self.local_experts = num_experts // world
+        self.first_expert = first_expert
+
+    def __repr__(self):
+        return (
+            f"EP(rank {self.rank}/{self.world}, experts {self.first_expert}.."
+            f"{self.first_expert + self.local_experts - 1} of {self.num_experts})"
+        )
+
+
+def _ep_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    return ep_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self._moe_fuse_ep)
+
+
+def ep_experts(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, ep: _EPInfo) -> Tensor:
+    """y [T, H] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) with the experts spread over ``ep.group``."""
+    T, H = x.shape
+    k = ids.shape[1]
+    W, L, E = ep.world, ep.local_experts, ep.num_experts
+
+    # 1. Rows (token*k + slot) in global expert order: contiguous per destination rank.
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # scatter_add, not bincount: CUDA's bincount syncs to size its output.
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+    # 2. Token-count exchange: counts_recv[r*L + j] = rows rank r sends to my local expert j.
+    counts_recv = torch.empty_like(counts)
+    dist.all_to_all_single(counts_recv, counts, group=ep.group)
+
+    # 3. The one host sync: split sizes of the two row all-to-alls.
+    send_per_rank = counts.view(W, L).sum(1)
+    recv_per_rank = counts_recv.view(W, L).sum(1)
+    splits = torch.cat([send_per_rank, recv_per_rank]).tolist()
+    input_splits, output_splits = splits[:W], splits[W:]
+    received = sum(output_splits)
+
+    # 4. Dispatch.
+    x_sorted = x.index_select(0, order // k)
+    x_local = all_to_all_single_autograd(x_sorted, output_splits, input_splits, ep.group)
+
+    # 5. Local experts. Received rows: by source rank, then by local expert id.
+    local_ids = torch.repeat_interleave(
+        torch.arange(L, device=x.device).repeat(W), counts_recv, output_size=received
+    ).unsqueeze(1)
+    ones = torch.ones(received, 1, dtype=weights.dtype, device=x.device)
+    y_local = torch.ops.moe_fuse.experts(x_local, local_ids, ones, w_gate_up, w_down, False)[0]
+
+    # 6. Combine.
+    y_sorted = all_to_all_single_autograd(y_local, input_splits, output_splits, ep.group)
+
+    # 7. Un-permute, routing weights, sum over k (in the slot order, as the one-process op does).
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    y_slots = y_sorted.index_select(0, inverse).view(T, k, H)
+    return (y_slots * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
