@@ -7,9 +7,10 @@ one fused node forward and one backward per MoE block.
 Boundaries (the Triton kernels fill these in):
 - router:  x, W_router -> logits, routing weights, expert ids
            (linear, softmax in fp32, top-k, optional renorm, cast).
-- experts: x, ids, routing weights, W_gate_up, W_down -> y
+- experts: x, ids, routing weights, W_gate_up, W_down, save_h -> (y, h)
            (routing metadata, permutation, gate_up GEMM, SwiGLU, down GEMM,
-           weighted fixed-order combine over the k slots).
+           weighted fixed-order combine over the k slots; h = the gate_up output
+           kept for the backward when save_h, else empty).
 """
 
 from __future__ import annotations

@@ -107,10 +107,13 @@ def rewrite_graph(graph: fx.Graph, report, where: str, outer: dict | None = None
         if len(node.args) > 3 or node.kwargs.get("is_causal", False):
             report.reject(PATTERN, "attn_mask passed positionally or with is_causal=True", where, node)
             continue
+        q, k = (meta_value(a) for a in node.args[:2])
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+            report.reject(PATTERN, "query or key has no tensor metadata", where, node)
+            continue
         if mask not in cache:
             cache[mask] = _constant_value(mask, outer or {})
         value, reason = cache[mask]
-        q, k = (meta_value(a) for a in node.args[:2])
         if reason is None:
             reason = _why_not_causal(value, q, k)
         if reason is not None:
