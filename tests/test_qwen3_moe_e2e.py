@@ -51,10 +51,11 @@ def compile_moe_fuse(model, debug_dir, inner="aot_eager", **kwargs):
 
 
 def assert_all_blocks_fused(report, layers=2, where=""):
-    patterns = sorted(m["pattern"] for m in report["matches"])
+    moe = [m for m in report["matches"] if m["pattern"] != "causal_sdpa_mask"]  # attention: test_causal_mask.py
+    patterns = sorted(m["pattern"] for m in moe)
     assert patterns == ["grouped_mm_experts"] * layers + ["softmax_topk_router"] * layers
-    assert all(m["verified"] for m in report["matches"])
-    assert all(where in m["where"] for m in report["matches"])
+    assert all(m["verified"] for m in moe)
+    assert all(where in m["where"] for m in moe)
     assert report["rejected"] == []
 
 
@@ -144,6 +145,8 @@ def test_gradient_checkpointing_bodies(tmp_path):
     assert_parity(eager, fused, torch.float32)
     (report,) = [r for r in reports(tmp_path) if r["matches"]]
     assert_all_blocks_fused(report, where="wrap_body")
+    # use_cache=False: transformers materialises the causal mask outside the bodies; it is followed in.
+    assert sum(m["pattern"] == "causal_sdpa_mask" and "wrap_body" in m["where"] for m in report["matches"]) == 2
     # Inside a checkpointed body the backward recomputes h instead of the forward saving it.
     assert saved_h_flags(tmp_path) == ["False", "False"]
 
