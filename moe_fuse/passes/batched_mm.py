@@ -25,7 +25,6 @@ in-range ids only.
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
@@ -35,7 +34,6 @@ from .grouped_mm import experts_candidate, match_combine
 from .graph import (
     NoMatch,
     arg,
-    collect_region,
     dtype_of,
     expect,
     expect_literal,
