@@ -731,15 +731,18 @@ def experts_by_rows(routing: Routing) -> torch.Tensor:
 
 
 def wgrad(left, l_gather: bool, right, r_gather: bool, routing: Routing, num_experts: int, top_k: int, out_dtype,
-          *, config: GemmConfig | None = None, experts_by_load: torch.Tensor | None = None):
+          *, config: GemmConfig | None = None, experts_by_load: torch.Tensor | None = None,
+          out: torch.Tensor | None = None):
     """[E, M, N] with out[e] = left[rows of e]^T @ right[rows of e]; a gathered operand is indexed by token.
 
     left [*, M] and right [*, N] are 2-D with any strides; every expert's block is written (zeros without rows).
+    ``out``: a contiguous [E, M, N] tensor to write (e.g. allocated on another stream), else a new one.
     """
     M, N = left.shape[1], right.shape[1]
     E = num_experts
     S = routing.order.numel()
-    out = torch.empty(E, M, N, dtype=out_dtype, device=left.device)
+    if out is None:
+        out = torch.empty(E, M, N, dtype=out_dtype, device=left.device)
     cfg = config or _wgrad_config(S, E, out_dtype, "gate_up")
     num_m, num_n = triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n)
     if experts_by_load is None:
@@ -827,13 +830,39 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
     else:
         dh, aw, d_weights = dgrad_saved(dy, routing, rw, h, w_down, k, weights.dtype, config=cfg.dgrad)
     # Slots in the GEMM dtype (fp32 if x is fp32): half the traffic of fp32 slots; the sum over k is fp32.
+    by_load = experts_by_rows(routing)
+    side = _side_stream(dev) if OVERLAP_WGRAD and dev.type == "cuda" and not interpreting() else None
+    d_wgu = torch.empty(w_gate_up.shape, dtype=w_gate_up.dtype, device=dev)
+    if side is not None:
+        # dW_gate_up needs only d_h, x and the routing, all ready: it runs on a second stream next to dx,
+        # combine and dW_down. Every tensor it touches was allocated on this stream, and this stream
+        # waits for it before returning, so no block is freed or reused while it still runs.
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad, experts_by_load=by_load,
+                  out=d_wgu)
     slots = dx_slots(dh, routing, w_gate_up, torch.promote_types(x.dtype, w_gate_up.dtype), config=cfg.dx)
     dx = combine(slots, ids, E, x.dtype)
-    by_load = experts_by_rows(routing)
     d_wd = wgrad(dy, True, aw, False, routing, E, k, w_down.dtype, config=cfg.wgrad_down or cfg.wgrad,
                  experts_by_load=by_load)
-    d_wgu = wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad, experts_by_load=by_load)
+    if side is None:
+        wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad, experts_by_load=by_load, out=d_wgu)
+    else:
+        torch.cuda.current_stream(dev).wait_stream(side)
     return dx, d_weights.view(T, k), d_wgu, d_wd
+
+
+# dW_gate_up on a second CUDA stream, concurrent with dx and dW_down (bench/KERNELS_NOTES.md, backward).
+OVERLAP_WGRAD = True
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
 
 
 __all__ = ["BackwardConfig", "default_backward_config", "experts_backward", "supports"]
