@@ -24,11 +24,13 @@ its backward is the all-to-all with the splits swapped), so a training step need
 gradients are complete on their owning rank (they already sum every rank's tokens); non-expert
 gradients still need the usual data-parallel all-reduce over the group.
 
+``shard_experts(model, group, chunks=N)`` installs the chunked variant instead (``overlap.py``): the
+local experts split into N groups, whose dispatch / combine all-to-alls overlap with the expert
+GEMMs of the neighbouring groups, forward and backward; same results, same single host sync.
+
 Still missing (issue #5): matching the dispatch / combine all-to-all chain in torch.compile graphs
 (functional collectives + ``wait_tensor``, and transformers' own sentinel-id EP plan) and rewriting it;
-an overlapped implementation (chunked pipelining of dispatch/combine with the expert GEMMs on separate
-streams, then Triton kernels over ``torch.distributed._symmetric_memory``) with no host sync; the
-same overlap in the backward; the 2-GPU benchmark.
+Triton kernels over ``torch.distributed._symmetric_memory`` with no host sync at all.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch import Tensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse.*)
+from .overlap import ep_experts_chunked, expert_groups
 
 
 def _is_experts_module(module: torch.nn.Module) -> bool:
@@ -59,11 +62,15 @@ def _is_experts_module(module: torch.nn.Module) -> bool:
     )
 
 
-def shard_experts(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> torch.nn.Module:
+def shard_experts(
+    model: torch.nn.Module, group: dist.ProcessGroup | None = None, chunks: int | None = None
+) -> torch.nn.Module:
     """Shard every Qwen3-MoE-style experts module of ``model`` over ``group`` (default: the world), in place.
 
     Rank r keeps experts [r*E/W, (r+1)*E/W) as new parameters and runs the all-to-all forward described
-    in the module docstring. Raises ValueError when E is not a multiple of the group size. Returns ``model``.
+    in the module docstring. ``chunks=N`` pipelines it over N groups of local experts (``overlap.py``);
+    None (the default) is the unchunked path. Raises ValueError when E is not a multiple of the group
+    size or N is not in [1, E/W]. Returns ``model``.
     """
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
@@ -76,6 +83,8 @@ def shard_experts(model: torch.nn.Module, group: dist.ProcessGroup | None = None
                 f"shard_experts: {type(module).__name__} has E={E} experts, not divisible by the "
                 f"expert-parallel world size {world}"
             )
+        if chunks is not None:
+            expert_groups(E // world, chunks)  # raises ValueError on a bad chunk count
     for module in targets:
         E = module.gate_up_proj.shape[0]
         local = E // world
@@ -85,14 +94,15 @@ def shard_experts(model: torch.nn.Module, group: dist.ProcessGroup | None = None
             down = module.down_proj[lo:hi].clone()
         module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=module.gate_up_proj.requires_grad)
         module.down_proj = torch.nn.Parameter(down, requires_grad=module.down_proj.requires_grad)
-        module._moe_fuse_ep = _EPInfo(group=group, world=world, rank=rank, num_experts=E, first_expert=lo)
+        module._moe_fuse_ep = _EPInfo(group=group, world=world, rank=rank, num_experts=E, first_expert=lo, chunks=chunks)
         module.forward = types.MethodType(_ep_experts_forward, module)
     return model
 
 
 class _EPInfo:
-    def __init__(self, group, world, rank, num_experts, first_expert):
+    def __init__(self, group, world, rank, num_experts, first_expert, chunks=None):
         self.group = group
+        self.chunks = chunks  # None: unchunked; N: pipelined over N expert groups
         self.world = world
         self.rank = rank
         self.num_experts = num_experts  # global E
@@ -102,7 +112,8 @@ class _EPInfo:
     def __repr__(self):
         return (
             f"EP(rank {self.rank}/{self.world}, experts {self.first_expert}.."
-            f"{self.first_expert + self.local_experts - 1} of {self.num_experts})"
+            f"{self.first_expert + self.local_experts - 1} of {self.num_experts}"
+            + (f", {self.chunks} chunks)" if self.chunks is not None else ")")
         )
 
 
@@ -111,7 +122,13 @@ def _ep_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_
 
 
 def ep_experts(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, ep: _EPInfo) -> Tensor:
-    """y [T, H] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) with the experts spread over ``ep.group``."""
+    """y [T, H] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) with the experts spread over ``ep.group``.
+
+    With ``ep.chunks`` set, the chunked, overlapped path of ``overlap.py``; otherwise the steps of the
+    module docstring. Either way one host sync (the split sizes).
+    """
+    if ep.chunks is not None:
+        return ep_experts_chunked(x, ids, weights, w_gate_up, w_down, ep, ep.chunks)
     T, H = x.shape
     k = ids.shape[1]
     W, L, E = ep.world, ep.local_experts, ep.num_experts

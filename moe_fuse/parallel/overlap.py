@@ -1,0 +1,207 @@
+"""Chunked, overlapped expert-parallel experts: dispatch / experts / combine pipelined over N chunks.
+
+The unchunked path (``ep.ep_experts``) runs dispatch all-to-all -> all local experts -> combine
+all-to-all back to back, so the network and the GEMMs take turns. Here each rank's local experts are
+split into N contiguous groups (chunk c = local experts [ceil(c*L/N), ceil((c+1)*L/N)), the same on
+every rank), and the routed rows are sorted chunk-major -- by (chunk, destination rank, local expert)
+-- so that every chunk is one contiguous block of rows with its own all-to-all splits. Then
+
+    forward:   issue dispatch(0..N-1)  |  for c: wait dispatch(c); experts(c); issue combine(c)  |  wait all
+    backward:  issue the dy all-to-alls(0..N-1)  |  for c: wait; experts_backward(c); issue dx(c)  |  wait all
+
+so the all-to-all of chunk c+1 (and the combine of chunk c-1) run while the experts of chunk c compute,
+in the forward and in the backward (``torch.autograd.Function`` below; its backward is
+``torch.ops.moe_fuse.experts_backward`` per chunk, saved h included).
+
+Why chunk by expert group rather than by token: each expert's rows stay together in one chunk, so
+every expert's weights are read once per pass (as unchunked) and the grouped GEMMs get no extra partial
+tiles; and the chunk splits follow from the one per-expert count exchange, with no second exchange.
+The cost: chunk sizes follow the routing, so a skewed router gives an uneven pipeline.
+
+Host syncs: one per layer forward -- the ``.tolist()`` of the exchanged counts, which the split sizes
+need -- and none in the backward (the splits are kept). Every other index tensor is made on the device.
+
+Streams (CUDA): the collectives are issued with ``async_op=True``. The NCCL process group runs them on
+its own stream, which waits for the current stream at issue time (so the rows we just gathered are
+ready), keeps the buffers alive until ``wait()``, and ``wait()`` makes the current stream wait for the
+collective. All buffers are allocated on the current stream and every handle is waited on before
+returning, so no tensor is used or freed on one stream while another still touches it; no
+``record_stream`` is needed because no tensor of ours crosses to a stream we manage. On gloo (CPU) the
+same calls run on gloo's worker threads, overlapping with the compute on the calling thread.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse.*)
+
+
+def expert_groups(local_experts: int, chunks: int) -> list[tuple[int, int]]:
+    """The N contiguous groups [lo, hi) of local expert ids, sizes differing by at most one."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+    if chunks > local_experts:
+        raise ValueError(
+            f"chunks={chunks} exceeds the {local_experts} local experts per rank (chunks split the local "
+            f"experts into groups; use at most {local_experts})"
+        )
+    bounds = [-(-c * local_experts // chunks) for c in range(chunks + 1)]  # ceil(c*L/N)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class _Plan:
+    """Everything the chunked all-to-alls need, fixed by one forward's routing (host ints + device ids)."""
+
+    def __init__(self, group, groups, send, recv, local_ids):
+        self.group = group
+        self.groups = groups  # [(lo, hi)] local expert ids of each chunk
+        self.send = send  # send[c][r]: rows of chunk c this rank sends to rank r
+        self.recv = recv  # recv[c][r]: rows of chunk c this rank receives from rank r
+        self.local_ids = local_ids  # [c] -> [rows, 1] expert id within the chunk's group, of each received row
+        self.send_offsets = _offsets([sum(s) for s in send])
+        self.recv_offsets = _offsets([sum(r) for r in recv])
+
+
+def _offsets(sizes):
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return out
+
+
+def _a2a(out: Tensor, inp: Tensor, out_splits, in_splits, group):
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+
+
+class _ChunkedExperts(torch.autograd.Function):
+    """x_sorted [S, H] (chunk-major rows) -> y_sorted [S, H]: every row through its expert on its owning rank."""
+
+    @staticmethod
+    def forward(ctx, x_sorted: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype):
+        p = plan
+        N = len(p.groups)
+        H = x_sorted.shape[1]
+        x_sorted = x_sorted.contiguous()
+        x_recv = x_sorted.new_empty((p.recv_offsets[-1], H))
+        y_sorted = torch.empty_like(x_sorted)
+        # Issue every dispatch at once: they queue in order on the group's stream (or gloo's threads), and
+        # chunk c's experts only wait for dispatch c.
+        sends = [
+            _a2a(x_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]], x_sorted[p.send_offsets[c] : p.send_offsets[c + 1]],
+                 p.recv[c], p.send[c], p.group)
+            for c in range(N)
+        ]
+        save_h = any(ctx.needs_input_grad[:3])
+        hs, outs, combines = [], [], []
+        for c, (lo, hi) in enumerate(p.groups):
+            sends[c].wait()
+            rows = x_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]]
+            if rows.shape[0]:
+                ones = torch.ones(rows.shape[0], 1, dtype=weights_dtype, device=rows.device)
+                y_c, h_c = torch.ops.moe_fuse.experts(rows, p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], save_h)
+            else:  # nothing routed to this group here: skip the kernels, still take part in the all-to-all
+                y_c, h_c = rows, rows.new_empty((0, w_gate_up.shape[1]), dtype=w_gate_up.dtype)
+            hs.append(h_c)
+            outs.append(y_c)  # kept referenced until its combine is waited on
+            combines.append(
+                _a2a(y_sorted[p.send_offsets[c] : p.send_offsets[c + 1]], y_c, p.send[c], p.recv[c], p.group)
+            )
+        for work in combines:
+            work.wait()
+        ctx.plan = plan
+        ctx.weights_dtype = weights_dtype
+        ctx.save_for_backward(x_recv, w_gate_up, w_down, *hs)
+        return y_sorted
+
+    @staticmethod
+    def backward(ctx, dy_sorted: Tensor):
+        p = ctx.plan
+        N = len(p.groups)
+        x_recv, w_gate_up, w_down, *hs = ctx.saved_tensors
+        dy_sorted = dy_sorted.contiguous()
+        H = dy_sorted.shape[1]
+        # The reverse of the combine: gradients travel to the experts' ranks like the dispatch did.
+        dy_recv = dy_sorted.new_empty((p.recv_offsets[-1], H))
+        sends = [
+            _a2a(dy_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]], dy_sorted[p.send_offsets[c] : p.send_offsets[c + 1]],
+                 p.recv[c], p.send[c], p.group)
+            for c in range(N)
+        ]
+        dx_sorted = torch.empty_like(dy_sorted)
+        d_gate_up = torch.zeros_like(w_gate_up)  # a group that received no rows has zero gradient
+        d_down = torch.zeros_like(w_down)
+        outs, returns = [], []
+        for c, (lo, hi) in enumerate(p.groups):
+            sends[c].wait()
+            a, b = p.recv_offsets[c], p.recv_offsets[c + 1]
+            if b > a:
+                ones = torch.ones(b - a, 1, dtype=ctx.weights_dtype, device=dy_sorted.device)
+                dx_c, _, dgu_c, dd_c = torch.ops.moe_fuse.experts_backward(
+                    dy_recv[a:b], x_recv[a:b], p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], hs[c]
+                )
+                d_gate_up[lo:hi] = dgu_c
+                d_down[lo:hi] = dd_c
+            else:
+                dx_c = dy_recv[a:b]
+            outs.append(dx_c)
+            # The reverse of the dispatch: input gradients go back to the rows' ranks.
+            returns.append(
+                _a2a(dx_sorted[p.send_offsets[c] : p.send_offsets[c + 1]], dx_c.contiguous(), p.send[c], p.recv[c], p.group)
+            )
+        for work in returns:
+            work.wait()
+        return dx_sorted, d_gate_up, d_down, None, None
+
+
+def ep_experts_chunked(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, ep, chunks: int) -> Tensor:
+    """Same result as ``ep.ep_experts`` with dispatch and combine pipelined over ``chunks`` expert groups.
+
+    One host sync per call (the counts exchange's ``.tolist()``); see the module docstring.
+    """
+    T, H = x.shape
+    k = ids.shape[1]
+    W, L, E = ep.world, ep.local_experts, ep.num_experts
+    groups = expert_groups(L, chunks)
+    dev = x.device
+
+    # Chunk-major order of the T*k rows: key (chunk of the local expert, destination rank, local expert).
+    expert = torch.arange(E, device=dev)
+    rank_of, local = expert // L, expert % L
+    chunk_of = local * chunks // L  # j is in group c iff c*L <= j*N < (c+1)*L, as expert_groups makes them
+    key_of_expert = (chunk_of * W + rank_of) * L + local
+    flat = ids.reshape(-1)
+    order = torch.argsort(key_of_expert[flat], stable=True)
+    # scatter_add, not bincount: CUDA's bincount syncs to size its output.
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+
+    # Token-count exchange: counts_recv[r*L + j] = rows rank r sends to my local expert j.
+    counts_recv = torch.empty_like(counts)
+    dist.all_to_all_single(counts_recv, counts, group=ep.group)
+
+    # The one host sync: rows per (chunk, rank), both directions.
+    per_chunk = torch.zeros(2, W, chunks, dtype=torch.int64, device=dev)
+    per_chunk[0].index_add_(1, chunk_of[:L], counts.view(W, L))
+    per_chunk[1].index_add_(1, chunk_of[:L], counts_recv.view(W, L))
+    send_t, recv_t = per_chunk.transpose(1, 2).tolist()  # [chunk][rank]
+
+    # Received rows of chunk c: by source rank, then by local expert of the group.
+    local_ids = []
+    recv_view = counts_recv.view(W, L)
+    for c, (lo, hi) in enumerate(groups):
+        ids_c = torch.arange(hi - lo, device=dev).repeat(W)
+        local_ids.append(
+            torch.repeat_interleave(ids_c, recv_view[:, lo:hi].reshape(-1), output_size=sum(recv_t[c])).unsqueeze(1)
+        )
+    plan = _Plan(ep.group, groups, send_t, recv_t, local_ids)
+
+    x_sorted = x.index_select(0, order // k)
+    y_sorted = _ChunkedExperts.apply(x_sorted, w_gate_up, w_down, plan, weights.dtype)
+
+    # Un-permute, routing weights, sum over k (in the slot order, as the one-process op does).
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=dev)
+    y_slots = y_sorted.index_select(0, inverse).view(T, k, H)
+    return (y_slots * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
