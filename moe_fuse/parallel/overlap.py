@@ -80,7 +80,7 @@ class _ChunkedExperts(torch.autograd.Function):
     """x_sorted [S, H] (chunk-major rows) -> y_sorted [S, H]: every row through its expert on its owning rank."""
 
     @staticmethod
-    def forward(ctx, x_sorted: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype):
+    def forward(ctx, x_sorted: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype, save_h: bool):
         p = plan
         N = len(p.groups)
         H = x_sorted.shape[1]
@@ -94,7 +94,6 @@ class _ChunkedExperts(torch.autograd.Function):
                  p.recv[c], p.send[c], p.group)
             for c in range(N)
         ]
-        save_h = any(ctx.needs_input_grad[:3])
         hs, outs, combines = [], [], []
         for c, (lo, hi) in enumerate(p.groups):
             sends[c].wait()
@@ -153,7 +152,7 @@ class _ChunkedExperts(torch.autograd.Function):
             )
         for work in returns:
             work.wait()
-        return dx_sorted, d_gate_up, d_down, None, None
+        return dx_sorted, d_gate_up, d_down, None, None, None
 
 
 def ep_experts_chunked(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, ep, chunks: int) -> Tensor:
@@ -198,7 +197,9 @@ def ep_experts_chunked(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tenso
     plan = _Plan(ep.group, groups, send_t, recv_t, local_ids)
 
     x_sorted = x.index_select(0, order // k)
-    y_sorted = _ChunkedExperts.apply(x_sorted, w_gate_up, w_down, plan, weights.dtype)
+    # Keep h (the gate_up output, which the backward reads instead of recomputing) only when a backward can come.
+    save_h = torch.is_grad_enabled() and (x.requires_grad or w_gate_up.requires_grad or w_down.requires_grad)
+    y_sorted = _ChunkedExperts.apply(x_sorted, w_gate_up, w_down, plan, weights.dtype, save_h)
 
     # Un-permute, routing weights, sum over k (in the slot order, as the one-process op does).
     inverse = torch.empty_like(order)
