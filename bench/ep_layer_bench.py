@@ -84,16 +84,16 @@ def reference_grads(x, ids, weights, gate_up, down, dy):
     T, H = x.shape
     k = ids.shape[1]
     I = down.shape[2]
-    y = torch.zeros(T, H, device=x.device)
     flat = ids.reshape(-1)
+    toks, outs = [], []
     for e in range(gate_up.shape[0]):
         slot = (flat == e).nonzero().squeeze(1)
-        if slot.numel() == 0:
-            continue
         tok = slot // k
         h = x[tok] @ gate_up[e].t()
         out = (F.silu(h[:, :I]) * h[:, I:]) @ down[e].t()
-        y = y.index_add(0, tok, out * weights.reshape(-1)[slot].unsqueeze(1))
+        toks.append(tok)
+        outs.append(out * weights.reshape(-1)[slot].unsqueeze(1))
+    y = torch.zeros(T, H, device=x.device).index_add(0, torch.cat(toks), torch.cat(outs))
     grads = torch.autograd.grad(y, (x, weights, gate_up, down), dy.float())
     return y.detach(), grads
 

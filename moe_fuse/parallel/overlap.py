@@ -130,8 +130,8 @@ class _ChunkedExperts(torch.autograd.Function):
             for c in range(N)
         ]
         dx_sorted = torch.empty_like(dy_sorted)
-        d_gate_up = torch.zeros_like(w_gate_up)  # a group that received no rows has zero gradient
-        d_down = torch.zeros_like(w_down)
+        d_gate_up = torch.empty_like(w_gate_up)  # every group's slice is written below (zero if it got no rows)
+        d_down = torch.empty_like(w_down)
         outs, returns = [], []
         for c, (lo, hi) in enumerate(p.groups):
             sends[c].wait()
@@ -145,6 +145,8 @@ class _ChunkedExperts(torch.autograd.Function):
                 d_down[lo:hi] = dd_c
             else:
                 dx_c = dy_recv[a:b]
+                d_gate_up[lo:hi] = 0
+                d_down[lo:hi] = 0
             outs.append(dx_c)
             # The reverse of the dispatch: input gradients go back to the rows' ranks.
             returns.append(
