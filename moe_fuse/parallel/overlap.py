@@ -53,16 +53,17 @@ def expert_groups(local_experts: int, chunks: int) -> list[tuple[int, int]]:
 
 
 class _Plan:
-    """Everything the chunked all-to-alls need, fixed by one forward's routing (host ints + device ids)."""
+    """Everything the chunked all-to-alls need, fixed by one forward's routing (host ints + device tensors)."""
 
-    def __init__(self, group, groups, send, recv, local_ids):
+    def __init__(self, group, groups, splits, counts_recv, local_ids):
         self.group = group
         self.groups = groups  # [(lo, hi)] local expert ids of each chunk
-        self.send = send  # send[c][r]: rows of chunk c this rank sends to rank r
-        self.recv = recv  # recv[c][r]: rows of chunk c this rank receives from rank r
+        self.splits = splits  # int64 [2, chunks, world] on the CPU: rows sent (0) / received (1) per (chunk, rank)
+        self.send, self.recv = splits.tolist()  # send[c][r], recv[c][r] (a CPU tensor: no device sync)
+        self.counts_recv = counts_recv  # [E]: rows each rank sends to each of my local experts
         self.local_ids = local_ids  # [c] -> [rows, 1] expert id within the chunk's group, of each received row
-        self.send_offsets = _offsets([sum(s) for s in send])
-        self.recv_offsets = _offsets([sum(r) for r in recv])
+        self.send_offsets = _offsets([sum(s) for s in self.send])
+        self.recv_offsets = _offsets([sum(r) for r in self.recv])
 
 
 def _offsets(sizes):
@@ -72,8 +73,135 @@ def _offsets(sizes):
     return out
 
 
+def _chunk_of(num_local: int, chunks: int, device):
+    # j is in group c iff c*L <= j*N < (c+1)*L, which is how expert_groups cuts them.
+    return torch.arange(num_local, device=device) * chunks // num_local
+
+
+def chunk_major_order(ids: Tensor, world: int, local_experts: int, chunks: int) -> Tensor:
+    """The stable order of the T*k routed rows by (chunk of the local expert, destination rank, local expert)."""
+    W, L = world, local_experts
+    expert = torch.arange(W * L, device=ids.device)
+    key_of_expert = (_chunk_of(L, chunks, ids.device).repeat(W) * W + expert // L) * L + expert % L
+    return torch.argsort(key_of_expert[ids.reshape(-1)], stable=True)
+
+
+def plan_from(group, local_experts: int, chunks: int, splits: Tensor, counts_recv: Tensor) -> _Plan:
+    """Rebuild a plan from what a forward kept (the CPU splits and the received counts); no host sync."""
+    W, L = splits.shape[2], local_experts
+    groups = expert_groups(L, chunks)
+    recv_view = counts_recv.view(W, L)
+    recv_rows = splits[1].sum(1).tolist()
+    local_ids = []
+    for c, (lo, hi) in enumerate(groups):
+        # Received rows of chunk c: by source rank, then by local expert of the group.
+        ids_c = torch.arange(hi - lo, device=counts_recv.device).repeat(W)
+        local_ids.append(
+            torch.repeat_interleave(ids_c, recv_view[:, lo:hi].reshape(-1), output_size=recv_rows[c]).unsqueeze(1)
+        )
+    return _Plan(group, groups, splits, counts_recv, local_ids)
+
+
+def make_plan(ids: Tensor, group, world: int, local_experts: int, chunks: int) -> _Plan:
+    """Count rows per expert, exchange the counts (all-to-all), and size every chunk: the one host sync."""
+    W, L = world, local_experts
+    expert_groups(L, chunks)  # validates chunks
+    flat = ids.reshape(-1)
+    # scatter_add, not bincount: CUDA's bincount syncs to size its output.
+    counts = torch.zeros(W * L, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    # counts_recv[r*L + j] = rows rank r sends to my local expert j.
+    counts_recv = torch.empty_like(counts)
+    dist.all_to_all_single(counts_recv, counts, group=group)
+    chunk_of = _chunk_of(L, chunks, ids.device)
+    per_chunk = torch.zeros(2, W, chunks, dtype=torch.int64, device=ids.device)
+    per_chunk[0].index_add_(1, chunk_of, counts.view(W, L))
+    per_chunk[1].index_add_(1, chunk_of, counts_recv.view(W, L))
+    splits = per_chunk.transpose(1, 2).to("cpu")  # the host sync: [send/recv, chunk, rank]
+    return plan_from(group, L, chunks, splits, counts_recv)
+
+
 def _a2a(out: Tensor, inp: Tensor, out_splits, in_splits, group):
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+
+
+def chunked_forward(x_sorted: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype, save_h: bool):
+    """x_sorted [S, H] (chunk-major rows) -> (y_sorted [S, H], x_recv [R, H], [h of each chunk]).
+
+    Every row goes through its expert on the rank that owns it and comes back; the all-to-alls of one
+    chunk overlap with the experts of another (module docstring). No host sync.
+    """
+    p = plan
+    N = len(p.groups)
+    H = x_sorted.shape[1]
+    x_sorted = x_sorted.contiguous()
+    x_recv = x_sorted.new_empty((p.recv_offsets[-1], H))
+    y_sorted = torch.empty_like(x_sorted)
+    # Issue every dispatch at once: they queue in order on the group's stream (or gloo's threads), and
+    # chunk c's experts only wait for dispatch c.
+    sends = [
+        _a2a(x_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]], x_sorted[p.send_offsets[c] : p.send_offsets[c + 1]],
+             p.recv[c], p.send[c], p.group)
+        for c in range(N)
+    ]
+    hs, outs, combines = [], [], []
+    for c, (lo, hi) in enumerate(p.groups):
+        sends[c].wait()
+        rows = x_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]]
+        if rows.shape[0]:
+            ones = torch.ones(rows.shape[0], 1, dtype=weights_dtype, device=rows.device)
+            y_c, h_c = torch.ops.moe_fuse.experts(rows, p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], save_h)
+        else:  # nothing routed to this group here: skip the kernels, still take part in the all-to-all
+            y_c, h_c = rows, rows.new_empty((0, w_gate_up.shape[1]), dtype=w_gate_up.dtype)
+        hs.append(h_c)
+        outs.append(y_c)  # kept referenced until its combine is waited on
+        combines.append(_a2a(y_sorted[p.send_offsets[c] : p.send_offsets[c + 1]], y_c, p.send[c], p.recv[c], p.group))
+    for work in combines:
+        work.wait()
+    return y_sorted, x_recv, hs
+
+
+def chunked_backward(dy_sorted: Tensor, x_recv: Tensor, hs, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype):
+    """The reverse of chunked_forward: (dx_sorted [S, H], d_w_gate_up, d_w_down), all-to-alls overlapped likewise.
+
+    ``hs``: each chunk's saved gate_up output, or empty tensors (the experts backward then recomputes it).
+    """
+    p = plan
+    N = len(p.groups)
+    dy_sorted = dy_sorted.contiguous()
+    H = dy_sorted.shape[1]
+    # The reverse of the combine: gradients travel to the experts' ranks like the dispatch did.
+    dy_recv = dy_sorted.new_empty((p.recv_offsets[-1], H))
+    sends = [
+        _a2a(dy_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]], dy_sorted[p.send_offsets[c] : p.send_offsets[c + 1]],
+             p.recv[c], p.send[c], p.group)
+        for c in range(N)
+    ]
+    dx_sorted = torch.empty_like(dy_sorted)
+    d_gate_up = torch.empty_like(w_gate_up)  # every group's slice is written below (zero if it got no rows)
+    d_down = torch.empty_like(w_down)
+    outs, returns = [], []
+    for c, (lo, hi) in enumerate(p.groups):
+        sends[c].wait()
+        a, b = p.recv_offsets[c], p.recv_offsets[c + 1]
+        if b > a:
+            ones = torch.ones(b - a, 1, dtype=weights_dtype, device=dy_sorted.device)
+            dx_c, _, dgu_c, dd_c = torch.ops.moe_fuse.experts_backward(
+                dy_recv[a:b], x_recv[a:b], p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], hs[c]
+            )
+            d_gate_up[lo:hi] = dgu_c
+            d_down[lo:hi] = dd_c
+        else:
+            dx_c = dy_recv[a:b]
+            d_gate_up[lo:hi] = 0
+            d_down[lo:hi] = 0
+        outs.append(dx_c)
+        # The reverse of the dispatch: input gradients go back to the rows' ranks.
+        returns.append(
+            _a2a(dx_sorted[p.send_offsets[c] : p.send_offsets[c + 1]], dx_c.contiguous(), p.send[c], p.recv[c], p.group)
+        )
+    for work in returns:
+        work.wait()
+    return dx_sorted, d_gate_up, d_down
 
 
 class _ChunkedExperts(torch.autograd.Function):
@@ -81,35 +209,7 @@ class _ChunkedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_sorted: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype, save_h: bool):
-        p = plan
-        N = len(p.groups)
-        H = x_sorted.shape[1]
-        x_sorted = x_sorted.contiguous()
-        x_recv = x_sorted.new_empty((p.recv_offsets[-1], H))
-        y_sorted = torch.empty_like(x_sorted)
-        # Issue every dispatch at once: they queue in order on the group's stream (or gloo's threads), and
-        # chunk c's experts only wait for dispatch c.
-        sends = [
-            _a2a(x_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]], x_sorted[p.send_offsets[c] : p.send_offsets[c + 1]],
-                 p.recv[c], p.send[c], p.group)
-            for c in range(N)
-        ]
-        hs, outs, combines = [], [], []
-        for c, (lo, hi) in enumerate(p.groups):
-            sends[c].wait()
-            rows = x_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]]
-            if rows.shape[0]:
-                ones = torch.ones(rows.shape[0], 1, dtype=weights_dtype, device=rows.device)
-                y_c, h_c = torch.ops.moe_fuse.experts(rows, p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], save_h)
-            else:  # nothing routed to this group here: skip the kernels, still take part in the all-to-all
-                y_c, h_c = rows, rows.new_empty((0, w_gate_up.shape[1]), dtype=w_gate_up.dtype)
-            hs.append(h_c)
-            outs.append(y_c)  # kept referenced until its combine is waited on
-            combines.append(
-                _a2a(y_sorted[p.send_offsets[c] : p.send_offsets[c + 1]], y_c, p.send[c], p.recv[c], p.group)
-            )
-        for work in combines:
-            work.wait()
+        y_sorted, x_recv, hs = chunked_forward(x_sorted, w_gate_up, w_down, plan, weights_dtype, save_h)
         ctx.plan = plan
         ctx.weights_dtype = weights_dtype
         ctx.save_for_backward(x_recv, w_gate_up, w_down, *hs)
@@ -117,87 +217,20 @@ class _ChunkedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_sorted: Tensor):
-        p = ctx.plan
-        N = len(p.groups)
         x_recv, w_gate_up, w_down, *hs = ctx.saved_tensors
-        dy_sorted = dy_sorted.contiguous()
-        H = dy_sorted.shape[1]
-        # The reverse of the combine: gradients travel to the experts' ranks like the dispatch did.
-        dy_recv = dy_sorted.new_empty((p.recv_offsets[-1], H))
-        sends = [
-            _a2a(dy_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]], dy_sorted[p.send_offsets[c] : p.send_offsets[c + 1]],
-                 p.recv[c], p.send[c], p.group)
-            for c in range(N)
-        ]
-        dx_sorted = torch.empty_like(dy_sorted)
-        d_gate_up = torch.empty_like(w_gate_up)  # every group's slice is written below (zero if it got no rows)
-        d_down = torch.empty_like(w_down)
-        outs, returns = [], []
-        for c, (lo, hi) in enumerate(p.groups):
-            sends[c].wait()
-            a, b = p.recv_offsets[c], p.recv_offsets[c + 1]
-            if b > a:
-                ones = torch.ones(b - a, 1, dtype=ctx.weights_dtype, device=dy_sorted.device)
-                dx_c, _, dgu_c, dd_c = torch.ops.moe_fuse.experts_backward(
-                    dy_recv[a:b], x_recv[a:b], p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], hs[c]
-                )
-                d_gate_up[lo:hi] = dgu_c
-                d_down[lo:hi] = dd_c
-            else:
-                dx_c = dy_recv[a:b]
-                d_gate_up[lo:hi] = 0
-                d_down[lo:hi] = 0
-            outs.append(dx_c)
-            # The reverse of the dispatch: input gradients go back to the rows' ranks.
-            returns.append(
-                _a2a(dx_sorted[p.send_offsets[c] : p.send_offsets[c + 1]], dx_c.contiguous(), p.send[c], p.recv[c], p.group)
-            )
-        for work in returns:
-            work.wait()
+        dx_sorted, d_gate_up, d_down = chunked_backward(dy_sorted, x_recv, hs, w_gate_up, w_down, ctx.plan, ctx.weights_dtype)
         return dx_sorted, d_gate_up, d_down, None, None, None
 
 
 def ep_experts_chunked(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, ep, chunks: int) -> Tensor:
     """Same result as ``ep.ep_experts`` with dispatch and combine pipelined over ``chunks`` expert groups.
 
-    One host sync per call (the counts exchange's ``.tolist()``); see the module docstring.
+    One host sync per call (in ``make_plan``: the split sizes); see the module docstring.
     """
     T, H = x.shape
     k = ids.shape[1]
-    W, L, E = ep.world, ep.local_experts, ep.num_experts
-    groups = expert_groups(L, chunks)
-    dev = x.device
-
-    # Chunk-major order of the T*k rows: key (chunk of the local expert, destination rank, local expert).
-    expert = torch.arange(E, device=dev)
-    rank_of, local = expert // L, expert % L
-    chunk_of = local * chunks // L  # j is in group c iff c*L <= j*N < (c+1)*L, as expert_groups makes them
-    key_of_expert = (chunk_of * W + rank_of) * L + local
-    flat = ids.reshape(-1)
-    order = torch.argsort(key_of_expert[flat], stable=True)
-    # scatter_add, not bincount: CUDA's bincount syncs to size its output.
-    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-
-    # Token-count exchange: counts_recv[r*L + j] = rows rank r sends to my local expert j.
-    counts_recv = torch.empty_like(counts)
-    dist.all_to_all_single(counts_recv, counts, group=ep.group)
-
-    # The one host sync: rows per (chunk, rank), both directions.
-    per_chunk = torch.zeros(2, W, chunks, dtype=torch.int64, device=dev)
-    per_chunk[0].index_add_(1, chunk_of[:L], counts.view(W, L))
-    per_chunk[1].index_add_(1, chunk_of[:L], counts_recv.view(W, L))
-    send_t, recv_t = per_chunk.transpose(1, 2).tolist()  # [chunk][rank]
-
-    # Received rows of chunk c: by source rank, then by local expert of the group.
-    local_ids = []
-    recv_view = counts_recv.view(W, L)
-    for c, (lo, hi) in enumerate(groups):
-        ids_c = torch.arange(hi - lo, device=dev).repeat(W)
-        local_ids.append(
-            torch.repeat_interleave(ids_c, recv_view[:, lo:hi].reshape(-1), output_size=sum(recv_t[c])).unsqueeze(1)
-        )
-    plan = _Plan(ep.group, groups, send_t, recv_t, local_ids)
-
+    order = chunk_major_order(ids, ep.world, ep.local_experts, chunks)
+    plan = make_plan(ids, ep.group, ep.world, ep.local_experts, chunks)
     x_sorted = x.index_select(0, order // k)
     # Keep h (the gate_up output, which the backward reads instead of recomputing) only when a backward can come.
     save_h = torch.is_grad_enabled() and (x.requires_grad or w_gate_up.requires_grad or w_down.requires_grad)
@@ -205,6 +238,6 @@ def ep_experts_chunked(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tenso
 
     # Un-permute, routing weights, sum over k (in the slot order, as the one-process op does).
     inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=dev)
+    inverse[order] = torch.arange(order.numel(), device=x.device)
     y_slots = y_sorted.index_select(0, inverse).view(T, k, H)
     return (y_slots * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
