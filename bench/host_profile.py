@@ -72,6 +72,12 @@ def profile_case(shape, tokens, backends, top):
             print(f"   moe_fuse wgrad on one stream {one:.3f} ms; two streams again {again:.3f} ms; "
                   f"gradients bitwise equal: {same}")
         if top:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as tprof:
+                for _ in range(10):
+                    step()
+                torch.cuda.synchronize()
+            print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
             prof = cProfile.Profile()
             torch.cuda.synchronize()
             prof.enable()
