@@ -47,8 +47,15 @@ def _(x, weight, top_k, renorm, weights_dtype):
 
 @torch.library.custom_op("moe_fuse::router_backward", mutates_args=())
 def router_backward(
-    d_logits: Tensor, d_weights: Tensor, x: Tensor, weight: Tensor, logits: Tensor, ids: Tensor, renorm: bool
+    d_logits: Tensor | None, d_weights: Tensor, x: Tensor, weight: Tensor, logits: Tensor, ids: Tensor, renorm: bool
 ) -> tuple[Tensor, Tensor]:
+    """(dx, d_weight). d_logits: the gradient that reached the logits output directly, or None when none did."""
+    if x.is_cuda:
+        # One Triton kernel back to the logits (torch needs a dozen small ones), then cuBLAS.
+        d = kernels.softmax_topk_backward(d_logits, d_weights, logits, ids, renorm)
+        return d @ weight, d.t() @ x
+    if d_logits is None:
+        d_logits = torch.zeros_like(logits)
     dx, dw = reference.router_backward(
         d_logits.contiguous(), d_weights.contiguous(), x.contiguous(), weight, logits, ids, renorm
     )
@@ -71,8 +78,6 @@ def _router_setup_context(ctx, inputs, output):
 
 def _router_backward(ctx, d_logits, d_weights, d_ids):
     x, weight, logits, ids = ctx.saved_tensors
-    if d_logits is None:
-        d_logits = torch.zeros_like(logits)
     if d_weights is None:
         d_weights = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     dx, dw = torch.ops.moe_fuse.router_backward(d_logits, d_weights, x, weight, logits, ids, ctx.renorm)

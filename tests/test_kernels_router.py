@@ -9,7 +9,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from moe_fuse.kernels import softmax_topk  # noqa: E402
+from moe_fuse import reference  # noqa: E402
+from moe_fuse.kernels import softmax_topk, softmax_topk_backward  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,3 +70,48 @@ def test_ties_pick_equal_values_lowest_index_first():
 def test_bad_k():
     with pytest.raises(ValueError, match="top-k 5 with 4 experts"):
         softmax_topk(torch.randn(3, 4, device=DEVICE), 5, True, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "T, E, k, renorm, dtype, direct",
+    [
+        (37, 8, 2, True, torch.float32, True),
+        (64, 128, 8, True, torch.bfloat16, False),
+        (5, 6, 6, False, torch.float32, True),  # k = E
+        (33, 60, 4, False, torch.bfloat16, True),
+    ],
+)
+def test_backward_matches_float64_autograd(T, E, k, renorm, dtype, direct):
+    """d(logits) of softmax(fp32) -> pick ids -> [renorm], plus the gradient that reached the logits
+    directly (``direct``) or none (None), against float64 autograd on fresh random inputs."""
+    gen = torch.Generator().manual_seed(7 * T + E)
+    logits = (torch.randn(T, E, generator=gen) * 2).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    d_weights = torch.randn(T, k, generator=gen)
+    d_direct = torch.randn(T, E, generator=gen).to(dtype) if direct else None
+
+    ref_in = logits.double().requires_grad_()
+    values = torch.softmax(ref_in, dim=-1).gather(-1, ids)
+    if renorm:
+        values = values / values.sum(dim=-1, keepdim=True)
+    loss = (values * d_weights.double()).sum()
+    if direct:
+        loss = loss + (ref_in * d_direct.double()).sum()
+    loss.backward()
+
+    out = softmax_topk_backward(
+        d_direct.to(DEVICE) if direct else None, d_weights.to(DEVICE), logits.to(DEVICE), ids.to(DEVICE), renorm
+    )
+    assert out.dtype == dtype and out.shape == (T, E)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu().double(), ref_in.grad, rtol=tol, atol=tol)
+    # The op's torch path (reference.router_backward) agrees through its two matmuls.
+    x = torch.randn(T, 16, generator=gen).to(dtype)
+    w = torch.randn(E, 16, generator=gen).to(dtype)
+    dx, dw = reference.router_backward(
+        d_direct if direct else torch.zeros_like(logits), d_weights, x, w, logits, ids, renorm
+    )
+    # (bf16 products of operands a rounding apart: compare as a relative norm.)
+    for got, want in ((out.cpu() @ w, dx), (out.cpu().t() @ x, dw)):
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err < (1e-6 if dtype == torch.float32 else 1e-2), err

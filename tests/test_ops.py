@@ -97,10 +97,11 @@ def test_opcheck(dtype):
     w_router = torch.randn(5, x.shape[1], dtype=dtype)
     opcheck(torch.ops.moe_fuse.router.default, (req(x), req(w_router), 2, True, dtype))
     logits, _, r_ids = torch.ops.moe_fuse.router(x, w_router, 2, True, dtype)
-    opcheck(
-        torch.ops.moe_fuse.router_backward.default,
-        (torch.randn_like(logits), torch.randn(r_ids.shape, dtype=dtype), x, w_router, logits, r_ids, True),
-    )
+    for d_logits in (torch.randn_like(logits), None):  # None: no gradient reached the logits output
+        opcheck(
+            torch.ops.moe_fuse.router_backward.default,
+            (d_logits, torch.randn(r_ids.shape, dtype=dtype), x, w_router, logits, r_ids, True),
+        )
 
 
 def test_bad_shapes_are_named():

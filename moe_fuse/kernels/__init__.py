@@ -6,6 +6,7 @@ Public:
     supports(x, ids, weights, w_gate_up, w_down) -> bool
     route(ids, num_experts) -> Routing(order, counts, offsets)
     softmax_topk(logits, top_k, renorm, weights_dtype) -> (weights, ids)
+    softmax_topk_backward(d_logits | None, d_weights, logits, ids, renorm) -> d_logits
 
 Importing this package does not import triton: triton fixes whether its own
 library (tl.sum, tl.cumsum, ...) is compiled or interpreted when it is first
@@ -53,6 +54,13 @@ def softmax_topk(logits, top_k: int, renorm: bool, weights_dtype):
     return impl(logits, top_k, renorm, weights_dtype)
 
 
+def softmax_topk_backward(d_logits, d_weights, logits, ids, renorm: bool):
+    """See router.softmax_topk_backward: the gradient w.r.t. the router logits, in one kernel."""
+    from .router import softmax_topk_backward as impl
+
+    return impl(d_logits, d_weights, logits, ids, renorm)
+
+
 def __getattr__(name):
     if name == "Routing":
         from .routing import Routing
@@ -61,4 +69,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'moe_fuse.kernels' has no attribute {name!r}")
 
 
-__all__ = ["Routing", "experts_backward", "experts_forward", "route", "softmax_topk", "supports"]
+__all__ = ["Routing", "experts_backward", "experts_forward", "route", "softmax_topk", "softmax_topk_backward", "supports"]

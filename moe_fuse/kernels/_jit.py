@@ -23,6 +23,17 @@ import os
 import triton
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b). ``triton.cdiv`` is a constexpr function whose call costs microseconds of
+    argument unwrapping; the launchers call this a dozen times per layer."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Host-side smallest power of two >= n (1 for n <= 1); see ``cdiv`` for why not triton's."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the interpreter (read now, not at import)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")

@@ -9,10 +9,9 @@ sentinel (id >= E) were never written and count as zero, as in the reference.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from ._jit import interpreting, lazy_jit
+from ._jit import cdiv, interpreting, lazy_jit, next_power_of_2
 
 BLOCK_T = 4
 BLOCK_H = 512
@@ -51,9 +50,9 @@ def combine(slots: torch.Tensor, ids: torch.Tensor, num_experts: int, out_dtype:
     y = torch.empty(T, H, dtype=out_dtype, device=slots.device)
     if T == 0 or H == 0:
         return y
-    block_h = min(BLOCK_H, triton.next_power_of_2(H))
+    block_h = min(BLOCK_H, next_power_of_2(H))
     block_t = 32 if interpreting() else BLOCK_T  # fewer, larger programs for the interpreter
-    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    grid = (cdiv(T, block_t), cdiv(H, block_h))
     _combine_kernel[grid](
         slots, ids.contiguous(), y, T, H, num_experts, TOP_K=k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4
     )

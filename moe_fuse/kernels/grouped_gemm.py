@@ -28,12 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._jit import interpreting, lazy_jit
+from ._jit import cdiv, interpreting, lazy_jit, next_power_of_2
 from .routing import Routing
 
 
@@ -290,7 +289,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def _m_tiles_bound(S: int, E: int, block_m: int) -> int:
     # sum_e ceil(c_e / BM) <= S / BM + (number of non-empty experts); and a tile holds at least one row.
-    return min(triton.cdiv(S, block_m) + E, S)
+    return min(cdiv(S, block_m) + E, S)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -317,7 +316,7 @@ def gate_up(
     use_tma = cfg.use_tma and _tma_ok(w_gate_up)
     w_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * two_i, H), [cfg.block_n, cfg.block_k]) if use_tma else None
     num_m = _m_tiles_bound(S, E, cfg.block_m)
-    grid = (num_m * triton.cdiv(I, cfg.block_n),)
+    grid = (num_m * cdiv(I, cfg.block_n),)
     _gate_up_kernel[grid](
         x,
         routing.order,
@@ -340,7 +339,7 @@ def gate_up(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
-        E_P2=triton.next_power_of_2(E),
+        E_P2=next_power_of_2(E),
         EVEN_K=H % cfg.block_k == 0,
         SAVE_H=save_h,
         USE_TMA=use_tma,
@@ -374,7 +373,7 @@ def down(
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if use_tma else None
     w_desc = TensorDescriptor.from_tensor(w_down.view(E * H, I), [cfg.block_n, cfg.block_k]) if use_tma else None
     num_m = _m_tiles_bound(S, E, cfg.block_m)
-    grid = (num_m * triton.cdiv(H, cfg.block_n),)
+    grid = (num_m * cdiv(H, cfg.block_n),)
     _down_kernel[grid](
         a,
         a_desc,
@@ -395,7 +394,7 @@ def down(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
-        E_P2=triton.next_power_of_2(E),
+        E_P2=next_power_of_2(E),
         EVEN_K=I % cfg.block_k == 0,
         USE_TMA=use_tma,
         INTERPRET=interpreting(),

@@ -9,15 +9,20 @@ logits, one write of the k weights and ids.
 
 Ties (equal probabilities) go to the lowest expert index; torch.topk leaves
 the order of ties unspecified.
+
+The backward to the logits (``softmax_topk_backward``) is one kernel too: it
+recomputes the softmax from the logits, back-propagates the renormalisation
+and the softmax, and adds the gradient that reached the logits directly. torch
+runs that as a dozen small kernels, which at small batches cost more host time
+than GPU time.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from ._jit import lazy_jit
+from ._jit import cdiv, lazy_jit, next_power_of_2
 
 
 @lazy_jit
@@ -76,11 +81,86 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renorm: bool, weights_dtype: 
         return weights, ids
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    block_e = triton.next_power_of_2(E)
+    block_e = next_power_of_2(E)
     block_t = max(1, min(64, 4096 // block_e))  # ~4k logits per program in registers
-    _softmax_topk_kernel[(triton.cdiv(T, block_t),)](
+    _softmax_topk_kernel[(cdiv(T, block_t),)](
         logits, weights, ids, T, E, logits.stride(0),
         TOP_K=top_k, RENORM=renorm, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+        BLOCK_K=next_power_of_2(top_k), num_warps=4,
     )
     return weights, ids
+
+
+@lazy_jit
+def _softmax_topk_backward_kernel(
+    logits_ptr,  # [T, E], row stride stride_t
+    ids_ptr,  # [T, K] int64
+    d_weights_ptr,  # [T, K] gradient of the routing weights
+    d_logits_in_ptr,  # [T, E] contiguous gradient that reached the logits directly (HAS_D_LOGITS)
+    out_ptr,  # [T, E] contiguous out, logits' dtype
+    T,
+    E,
+    stride_t,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_D_LOGITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    t_ok = t < T
+    valid = t_ok[:, None] & (e < E)[None, :]
+    t64 = t.to(tl.int64)
+    logits = tl.load(logits_ptr + t64[:, None] * stride_t + e[None, :], mask=valid, other=-float("inf")).to(tl.float32)
+    peak = tl.max(logits, axis=1)
+    p = tl.where(valid, tl.exp(logits - peak[:, None]), 0.0)
+    p = p / tl.sum(p, axis=1)[:, None]
+
+    # The picked probabilities, their sum and (for the renorm) sum_j dv_j * v_j / total.
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    dv_dot_v = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        idx = tl.load(ids_ptr + t64 * TOP_K + j, mask=t_ok, other=0)
+        dv = tl.load(d_weights_ptr + t64 * TOP_K + j, mask=t_ok, other=0.0).to(tl.float32)
+        v = tl.sum(tl.where(e[None, :] == idx[:, None], p, 0.0), axis=1)
+        total += v
+        dv_dot_v += dv * v
+    # d_probs has d_values_j at the picked columns; sum_e d_probs * p = sum_j d_values_j * v_j.
+    d_probs = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    dp_dot_p = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        idx = tl.load(ids_ptr + t64 * TOP_K + j, mask=t_ok, other=0)
+        dv = tl.load(d_weights_ptr + t64 * TOP_K + j, mask=t_ok, other=0.0).to(tl.float32)
+        if RENORM:
+            # w = v / total  =>  dv_j -> (dv_j - sum_i dv_i w_i) / total
+            dv = (dv - dv_dot_v / total) / total
+        v = tl.sum(tl.where(e[None, :] == idx[:, None], p, 0.0), axis=1)
+        d_probs = tl.where(e[None, :] == idx[:, None], dv[:, None], d_probs)
+        dp_dot_p += dv * v
+    d_scores = p * (d_probs - dp_dot_p[:, None])
+    if HAS_D_LOGITS:
+        d_scores += tl.load(d_logits_in_ptr + t64[:, None] * E + e[None, :], mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t64[:, None] * E + e[None, :], d_scores.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def softmax_topk_backward(d_logits, d_weights: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, renorm: bool):
+    """Gradient w.r.t. the logits [T, E] (logits' dtype) of ``softmax_topk`` with the router's logits
+    output: ``d_weights`` [T, k] reaches it through the (renormalised) softmax, ``d_logits`` [T, E]
+    (or None) directly. Same math as ``reference.router_backward`` before its two matmuls."""
+    T, E = logits.shape
+    k = ids.shape[1]
+    out = torch.empty(T, E, dtype=logits.dtype, device=logits.device)
+    if T == 0:
+        return out
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    block_e = next_power_of_2(E)
+    block_t = max(1, min(64, 4096 // block_e))
+    d_in = d_logits.contiguous() if d_logits is not None else out  # not read without HAS_D_LOGITS
+    _softmax_topk_backward_kernel[(cdiv(T, block_t),)](
+        logits, ids.contiguous(), d_weights.contiguous(), d_in, out, T, E, logits.stride(0),
+        TOP_K=k, RENORM=renorm, HAS_D_LOGITS=d_logits is not None, BLOCK_T=block_t, BLOCK_E=block_e,
+        num_warps=4,
+    )
+    return out

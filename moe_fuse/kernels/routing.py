@@ -29,10 +29,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 import triton.language as tl
 
-from ._jit import lazy_jit
+from ._jit import cdiv, lazy_jit, next_power_of_2
 
 ROUTE_BLOCK = 128  # rows per counting block; the in-block rank is a ROUTE_BLOCK^2 comparison
 SCAN_CHUNK = 1024
@@ -135,8 +134,8 @@ def route(ids: torch.Tensor, num_experts: int) -> Routing:
     S = flat.numel()
     E = int(num_experts)
     dev = flat.device
-    num_blocks = triton.cdiv(S, ROUTE_BLOCK)
-    E_P2 = triton.next_power_of_2(E + 1)  # one bucket more, for sentinels
+    num_blocks = cdiv(S, ROUTE_BLOCK)
+    E_P2 = next_power_of_2(E + 1)  # one bucket more, for sentinels
     order = torch.empty(S, dtype=torch.int32, device=dev)
     counts = torch.empty(E + 1, dtype=torch.int32, device=dev)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
@@ -152,7 +151,7 @@ def route(ids: torch.Tensor, num_experts: int) -> Routing:
         return Routing(order, counts[:E], offsets)
     block_counts = torch.empty(E + 1, num_blocks, dtype=torch.int32, device=dev)
     _count_kernel[(num_blocks,)](flat, block_counts, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2)
-    chunk = min(SCAN_CHUNK, triton.next_power_of_2(num_blocks))
+    chunk = min(SCAN_CHUNK, next_power_of_2(num_blocks))
     _scan_kernel[(E + 1,)](block_counts, counts, num_blocks, CHUNK=chunk)
     _scatter_kernel[(num_blocks,)](
         flat, block_counts, counts, order, offsets, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2, COUNT_HERE=False
