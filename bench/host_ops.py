@@ -9,7 +9,6 @@ for the GPU to keep up (so the loop runs at the host's pace), and the GPU millis
 """
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import moe_fuse.ops  # noqa: E402,F401
+import moe_fuse.ops  # noqa: E402,F401  (registers torch.ops.moe_fuse)
 from moe_fuse import kernels  # noqa: E402
 from moe_fuse.kernels import backward, grouped_gemm  # noqa: E402
 from moe_fuse.kernels.combine import combine  # noqa: E402
@@ -68,6 +67,7 @@ def main():
     parser.add_argument("--shape", default="30b", choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--cprofile", default="", help="name of a case to run under cProfile (by cumulative time)")
     args = parser.parse_args()
     H, I, E, k = SHAPES[args.shape]
     T = args.tokens
@@ -107,6 +107,22 @@ def main():
         "wgrad dW_down": lambda: backward.wgrad(dy, True, a, False, routing, E, k, bf),
         "interpreting() x10": lambda: [kernels._jit.interpreting() for _ in range(10)],
     }
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        fn = cases[args.cprofile]
+        host_us(fn, 20)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.reps):
+            fn()
+        prof.disable()
+        sync()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+        print(text.getvalue())
     print(f"{args.shape} T={T}: host us per call (back to back) | GPU ms")
     for name, fn in cases.items():
         us, ms = host_us(fn, args.reps)

@@ -17,10 +17,14 @@ A few GEMM launches and small passes, no atomics (bitwise repeatable), no host s
      per-N-tile partial sums of g * a that ``_dweights_kernel`` adds in tile order.
 2. ``_dx_kernel``: d_h[p] @ W_gate_up[e] -> [S, H], each row written to its
    (token, slot) place; ``combine`` then sums the k slots in a fixed order (fp32).
-3. ``_wgrad_kernel`` twice, one program per (expert, M-tile, N-tile), K = the
-   expert's rows (zero rows: zeros), experts with the most rows first:
+3. the weight gradients, K = the expert's rows (zero rows: zeros):
      dW_down[e]    = dy[tok]^T @ aw     [H, I]
      dW_gate_up[e] = d_h^T @ x[tok]     [2I, H]
+   on CUDA sm90+ in bf16 through ``torch._grouped_mm`` (CUTLASS) on gathered copies of x and dy:
+   1.2-1.4x faster than ours on the H200, bitwise the same result (the Triton wgrad's gathered
+   operand loads keep it near 55% of peak: bench/KERNELS_NOTES.md); elsewhere ``_wgrad_kernel``
+   twice, one program per (expert, M-tile, N-tile), experts with the most rows first.
+   dW_gate_up runs on a second stream beside dx and dW_down.
 
 dx needs d_h, which needs the whole dgrad row block, so steps 1 and 2 cannot share a program:
 d_h makes one round trip through memory ([S, 2I], weights' dtype), as in any unfused backward.
@@ -738,18 +742,15 @@ def experts_by_rows(routing: Routing) -> torch.Tensor:
 
 
 def wgrad(left, l_gather: bool, right, r_gather: bool, routing: Routing, num_experts: int, top_k: int, out_dtype,
-          *, config: GemmConfig | None = None, experts_by_load: torch.Tensor | None = None,
-          out: torch.Tensor | None = None):
+          *, config: GemmConfig | None = None, experts_by_load: torch.Tensor | None = None):
     """[E, M, N] with out[e] = left[rows of e]^T @ right[rows of e]; a gathered operand is indexed by token.
 
     left [*, M] and right [*, N] are 2-D with any strides; every expert's block is written (zeros without rows).
-    ``out``: a contiguous [E, M, N] tensor to write (e.g. allocated on another stream), else a new one.
     """
     M, N = left.shape[1], right.shape[1]
     E = num_experts
     S = routing.order.numel()
-    if out is None:
-        out = torch.empty(E, M, N, dtype=out_dtype, device=left.device)
+    out = torch.empty(E, M, N, dtype=out_dtype, device=left.device)
     cfg = config or _wgrad_config(S, E, out_dtype, "gate_up")
     num_m, num_n = cdiv(M, cfg.block_m), cdiv(N, cfg.block_n)
     if experts_by_load is None:
@@ -836,32 +837,62 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
         d_weights = d_weights_by_row(part, routing, E, weights.dtype)
     else:
         dh, aw, d_weights = dgrad_saved(dy, routing, rw, h, w_down, k, weights.dtype, config=cfg.dgrad)
-    # Slots in the GEMM dtype (fp32 if x is fp32): half the traffic of fp32 slots; the sum over k is fp32.
-    by_load = experts_by_rows(routing)
+    use_grouped_mm = grouped_mm_wgrad_ok(x, dy, w_gate_up, w_down)
+    if use_grouped_mm:
+        token = routing.order // k  # int32 [S]: the gathered operands' rows
+        ends = routing.offsets[1:]  # each expert's last row + 1; sentinel rows follow offsets[E] and are left out
+    else:
+        by_load = experts_by_rows(routing)
     side = _side_stream(dev) if OVERLAP_WGRAD and dev.type == "cuda" and not interpreting() else None
-    d_wgu = torch.empty(w_gate_up.shape, dtype=w_gate_up.dtype, device=dev)
+    main = torch.cuda.current_stream(dev) if side is not None else None
     if side is not None:
-        # dW_gate_up needs only d_h, x and the routing, all ready: it runs on a second stream next to dx,
-        # combine and dW_down. Every tensor it touches was allocated on this stream, and this stream
-        # waits for it before returning, so no block is freed or reused while it still runs.
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad, experts_by_load=by_load,
-                  out=d_wgu)
+        # dW_gate_up needs only d_h, x and the routing, all ready (everything above is queued on this
+        # stream before the wait): it runs on a second stream next to dx, combine and dW_down. Its inputs
+        # were allocated on this stream, and this stream waits for it before returning, so none is freed
+        # or reused while it still runs.
+        side.wait_stream(main)
+    with torch.cuda.stream(side):  # None: stay on the current stream
+        if use_grouped_mm:
+            d_wgu = torch._grouped_mm(dh.t(), x[token], offs=ends)
+        else:
+            d_wgu = wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad,
+                          experts_by_load=by_load)
+    if side is not None:
+        d_wgu.record_stream(main)  # allocated on the side stream, used (and freed) on this one
+    # Slots in the GEMM dtype (fp32 if x is fp32): half the traffic of fp32 slots; the sum over k is fp32.
     slots = dx_slots(dh, routing, w_gate_up, torch.promote_types(x.dtype, w_gate_up.dtype), config=cfg.dx)
     dx = combine(slots, ids, E, x.dtype)
-    d_wd = wgrad(dy, True, aw, False, routing, E, k, w_down.dtype, config=cfg.wgrad_down or cfg.wgrad,
-                 experts_by_load=by_load)
-    if side is None:
-        wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad, experts_by_load=by_load, out=d_wgu)
+    if use_grouped_mm:
+        d_wd = torch._grouped_mm(dy[token].t(), aw, offs=ends)
     else:
-        torch.cuda.current_stream(dev).wait_stream(side)
+        d_wd = wgrad(dy, True, aw, False, routing, E, k, w_down.dtype, config=cfg.wgrad_down or cfg.wgrad,
+                     experts_by_load=by_load)
+    if side is not None:
+        main.wait_stream(side)
     return dx, d_weights.view(T, k), d_wgu, d_wd
 
 
 # dW_gate_up on a second CUDA stream, concurrent with dx and dW_down (bench/KERNELS_NOTES.md, backward).
 OVERLAP_WGRAD = True
+# The weight gradients through torch._grouped_mm (CUTLASS) where it applies: on the H200 it ran 1.2-1.4x
+# faster than the Triton wgrad with bitwise equal results (bench/probe_wgrad_grouped_mm_gpu.py).
+GROUPED_MM_WGRAD = True
 _SIDE_STREAMS: dict = {}
+_CAPABILITY: dict = {}
+
+
+def grouped_mm_wgrad_ok(x, dy, w_gate_up, w_down) -> bool:
+    """torch._grouped_mm computes both weight gradients here: CUDA sm90+, everything bf16, 16-byte rows."""
+    if not (GROUPED_MM_WGRAD and x.is_cuda and hasattr(torch, "_grouped_mm") and not interpreting()):
+        return False
+    if not all(t.dtype == torch.bfloat16 for t in (x, dy, w_gate_up, w_down)):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    major = _CAPABILITY.get(index)
+    if major is None:
+        major = _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
+    H, I = w_down.shape[1], w_down.shape[2]
+    return major >= 9 and H % 8 == 0 and I % 8 == 0
 
 
 def _side_stream(device: torch.device):
