@@ -28,9 +28,12 @@ gradients still need the usual data-parallel all-reduce over the group.
 local experts split into N groups, whose dispatch / combine all-to-alls overlap with the expert
 GEMMs of the neighbouring groups, forward and backward; same results, same single host sync.
 
-Still missing (issue #5): matching the dispatch / combine all-to-all chain in torch.compile graphs
-(functional collectives + ``wait_tensor``, and transformers' own sentinel-id EP plan) and rewriting it;
-Triton kernels over ``torch.distributed._symmetric_memory`` with no host sync at all.
+In compiled graphs, ``moe_fuse/passes/ep_torchtitan.py`` replaces TorchTitan's dispatch chain (functional
+all-to-alls + ``wait_tensor``) by ``torch.ops.moe_fuse.ep_experts`` (``ep_ops.py``); it is not in the
+default pass list yet.
+
+Still missing (issue #5): transformers' own sentinel-id EP plan in graphs; Triton kernels over
+``torch.distributed._symmetric_memory`` with no host sync at all.
 """
 
 from __future__ import annotations

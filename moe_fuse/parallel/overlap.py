@@ -13,6 +13,9 @@ so the all-to-all of chunk c+1 (and the combine of chunk c-1) run while the expe
 in the forward and in the backward (``torch.autograd.Function`` below; its backward is
 ``torch.ops.moe_fuse.experts_backward`` per chunk, saved h included).
 
+``ep_ops.py`` wraps the same two pipelines as custom ops for compiled graphs (there the backward sends
+the token rows again instead of keeping the received ones: see its docstring).
+
 Why chunk by expert group rather than by token: each expert's rows stay together in one chunk, so
 every expert's weights are read once per pass (as unchunked) and the grouped GEMMs get no extra partial
 tiles; and the chunk splits follow from the one per-expert count exchange, with no second exchange.
@@ -124,6 +127,34 @@ def _a2a(out: Tensor, inp: Tensor, out_splits, in_splits, group):
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
 
 
+class _Works:
+    """Work handles waited on as one; holds the tensors they read and write until then."""
+
+    def __init__(self, works, tensors=()):
+        self.works = works
+        self.tensors = tensors  # a temporary (a .contiguous() copy) must outlive its collective
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+
+
+def _dispatch_all(rows_sorted: list[Tensor], plan: _Plan):
+    """Issue the dispatch all-to-alls of every chunk, chunk by chunk, of each tensor of ``rows_sorted``.
+
+    Returns (a receive buffer per tensor, one handle per chunk that waits for that chunk of all of them).
+    """
+    p = plan
+    recvs = [rows.new_empty((p.recv_offsets[-1], rows.shape[1])) for rows in rows_sorted]
+    works = []
+    for c in range(len(p.groups)):
+        a, b = p.recv_offsets[c], p.recv_offsets[c + 1]
+        lo, hi = p.send_offsets[c], p.send_offsets[c + 1]
+        works.append(_Works([_a2a(recv[a:b], rows[lo:hi], p.recv[c], p.send[c], p.group)
+                             for rows, recv in zip(rows_sorted, recvs)], tensors=(rows_sorted, recvs)))
+    return recvs, works
+
+
 def chunked_forward(x_sorted: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype, save_h: bool):
     """x_sorted [S, H] (chunk-major rows) -> (y_sorted [S, H], x_recv [R, H], [h of each chunk]).
 
@@ -131,18 +162,11 @@ def chunked_forward(x_sorted: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: _
     chunk overlap with the experts of another (module docstring). No host sync.
     """
     p = plan
-    N = len(p.groups)
-    H = x_sorted.shape[1]
     x_sorted = x_sorted.contiguous()
-    x_recv = x_sorted.new_empty((p.recv_offsets[-1], H))
     y_sorted = torch.empty_like(x_sorted)
     # Issue every dispatch at once: they queue in order on the group's stream (or gloo's threads), and
     # chunk c's experts only wait for dispatch c.
-    sends = [
-        _a2a(x_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]], x_sorted[p.send_offsets[c] : p.send_offsets[c + 1]],
-             p.recv[c], p.send[c], p.group)
-        for c in range(N)
-    ]
+    (x_recv,), sends = _dispatch_all([x_sorted], p)
     hs, outs, combines = [], [], []
     for c, (lo, hi) in enumerate(p.groups):
         sends[c].wait()
@@ -160,22 +184,20 @@ def chunked_forward(x_sorted: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: _
     return y_sorted, x_recv, hs
 
 
-def chunked_backward(dy_sorted: Tensor, x_recv: Tensor, hs, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype):
+def chunked_backward(dy_sorted: Tensor, x_recv, hs, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype,
+                     x_sorted: Tensor | None = None):
     """The reverse of chunked_forward: (dx_sorted [S, H], d_w_gate_up, d_w_down), all-to-alls overlapped likewise.
 
     ``hs``: each chunk's saved gate_up output, or empty tensors (the experts backward then recomputes it).
+    ``x_recv`` None: the forward kept no received rows; ``x_sorted`` is dispatched again, chunk by chunk
+    beside the gradients (a graph op cannot keep a tensor whose size only the data knows).
     """
     p = plan
-    N = len(p.groups)
-    dy_sorted = dy_sorted.contiguous()
-    H = dy_sorted.shape[1]
     # The reverse of the combine: gradients travel to the experts' ranks like the dispatch did.
-    dy_recv = dy_sorted.new_empty((p.recv_offsets[-1], H))
-    sends = [
-        _a2a(dy_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]], dy_sorted[p.send_offsets[c] : p.send_offsets[c + 1]],
-             p.recv[c], p.send[c], p.group)
-        for c in range(N)
-    ]
+    if x_recv is None:
+        (dy_recv, x_recv), sends = _dispatch_all([dy_sorted.contiguous(), x_sorted.contiguous()], p)
+    else:
+        (dy_recv,), sends = _dispatch_all([dy_sorted.contiguous()], p)
     dx_sorted = torch.empty_like(dy_sorted)
     d_gate_up = torch.empty_like(w_gate_up)  # every group's slice is written below (zero if it got no rows)
     d_down = torch.empty_like(w_down)
@@ -194,10 +216,11 @@ def chunked_backward(dy_sorted: Tensor, x_recv: Tensor, hs, w_gate_up: Tensor, w
             dx_c = dy_recv[a:b]
             d_gate_up[lo:hi] = 0
             d_down[lo:hi] = 0
-        outs.append(dx_c)
+        dx_c = dx_c.contiguous()
+        outs.append(dx_c)  # kept referenced until its all-to-all is waited on
         # The reverse of the dispatch: input gradients go back to the rows' ranks.
         returns.append(
-            _a2a(dx_sorted[p.send_offsets[c] : p.send_offsets[c + 1]], dx_c.contiguous(), p.send[c], p.recv[c], p.group)
+            _a2a(dx_sorted[p.send_offsets[c] : p.send_offsets[c + 1]], dx_c, p.send[c], p.recv[c], p.group)
         )
     for work in returns:
         work.wait()
