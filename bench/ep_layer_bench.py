@@ -13,6 +13,8 @@ of them local. Variants, on the same inputs in one process, forward + backward:
                  all-to-all, routing weights in fp32 and a scatter_add into the tokens
     moe_fuse     moe_fuse.parallel.ep.ep_experts: today's shard_experts path (fused experts op)
     chunked N    the same with dispatch / combine pipelined over N expert groups (moe_fuse.parallel.overlap)
+    graph op N   torch.ops.moe_fuse.ep_experts (first N of --chunks), what the TorchTitan graph pass
+                 installs: the chunked pipeline as one op; its backward sends the token rows again
 
 Times: CUDA events around one forward + backward (torch.autograd.grad), every rank entering each iteration
 together (barrier); the median over iterations, then the slowest rank. Errors: each variant's output and
@@ -192,6 +194,15 @@ def main():
                 "moe_fuse": lambda: ep_experts(x, ids, weights, gate_up, down, ep_info(None))}
     for n in chunk_counts:
         variants[f"chunked {n}"] = (lambda n=n: ep_experts(x, ids, weights, gate_up, down, ep_info(n)))
+    if chunk_counts:
+        # What a compiled graph runs after the TorchTitan dispatch pass: the same pipeline as one custom op,
+        # whose backward sends the token rows again instead of keeping them (moe_fuse/parallel/ep_ops.py).
+        import moe_fuse.parallel.ep_ops  # noqa: F401
+
+        n, group_name = chunk_counts[0], dist.group.WORLD.group_name
+        variants[f"graph op {n}"] = (
+            lambda n=n: torch.ops.moe_fuse.ep_experts(x, ids, weights, gate_up, down, group_name, n)[0]
+        )
 
     # fp32 reference of the whole batch (every rank's tokens): every rank computes it, keeps its part.
     def gather(t):
