@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .candidate import Rejection
 from .graph import NoMatch, arg, dtype_of, expect, op_name, same_size, shape_of
 
 # Spellings graph.op_name does not know (it is shared; these only matter to the routers).
@@ -114,3 +115,15 @@ def router_logits(logits: fx.Node):
     if not (dtype_of(x) == dtype_of(w) or mode == "fp32_inputs"):
         raise NoMatch(f"router linear of {dtype_of(x)} input and {dtype_of(w)} weight", linear)
     return linear, x, w, b, mode
+
+
+def find_at_topk(graph: fx.Graph, pattern: str, claims, match) -> list:
+    """``match`` at every top-k node ``claims`` takes: its Candidate, or a Rejection naming where it failed."""
+    found = []
+    for node in graph.nodes:
+        if is_(node, "topk") and claims(node):
+            try:
+                found.append(match(node))
+            except NoMatch as e:
+                found.append(Rejection(pattern, e.reason, e.node or node))
+    return found

@@ -34,7 +34,7 @@ from .. import router_ops  # noqa: F401  (registers torch.ops.moe_fuse.router_si
 from ..spec import SigmoidRouterSpec
 from .candidate import Candidate, Rejection
 from .graph import NoMatch, arg, collect_region, concrete, dtype_of, getitem_user, is_mutation, shape_of
-from .router_common import is_, is_fp32_upcast, last_dim, name, number, router_logits, strip_fp32_upcast
+from .router_common import find_at_topk, is_, is_fp32_upcast, last_dim, name, number, router_logits, strip_fp32_upcast
 
 PATTERN = "sigmoid_topk_router"
 
@@ -234,14 +234,7 @@ def claims(topk: fx.Node) -> bool:
 
 
 def find(graph: fx.Graph) -> list[Candidate | Rejection]:
-    found = []
-    for node in graph.nodes:
-        if is_(node, "topk") and claims(node):
-            try:
-                found.append(match(node))
-            except NoMatch as e:
-                found.append(Rejection(PATTERN, e.reason, e.node or node))
-    return found
+    return find_at_topk(graph, PATTERN, claims, match)
 
 
 __all__ = ["PATTERN", "claims", "find", "match", "is_fp32_upcast"]
