@@ -5,7 +5,8 @@
 - The TorchTitan dispatch pass (moe_fuse/passes/ep_torchtitan.py) on TorchTitan 0.3.0's own MoE with its
   AllToAllTokenDispatcher over a 2-rank mesh, captured in one graph (``capture_scalar_outputs``, as
   TorchTitan's compile sets it): the dispatch block becomes one op (no all-to-all, no ``.item()`` left),
-  the output matches eager EP, gradients within bf16 rounding; altered graphs are left alone with the
+  the output matches eager EP, gradients within bf16 rounding (aot_eager and Inductor after the pass);
+  the fake implementations promise the real strides; altered graphs are left alone with the
   reason; the default moe_fuse backend leaves the EP graph alone.
 """
 
@@ -89,9 +90,32 @@ def _check_op(rank: int, world: int):
                     assert rel_err(a, b) < 1e-5 or torch.equal(a, b), (where, rel_err(a, b))
             if case == "all to rank 0" and rank == 1:
                 assert not got[2].any() and not got[3].any(), where  # no rows here: zero expert gradients
+    _check_fake_strides(x, ids, w, gu, dn, name)
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="chunks=4 exceeds the 3 local experts"):
         torch.ops.moe_fuse.ep_experts(x, ids, w, gu, dn, name, 4)
+
+
+def _check_fake_strides(x, ids, w, gu, dn, name):
+    """Fake implementations promise the real outputs' shapes, dtypes, devices and strides (Inductor relies on it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # Non-contiguous weights too: the outputs must still be what the fake says.
+    x, w, dn = x.detach(), w.detach(), dn.detach()
+    gu = gu.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    real = torch.ops.moe_fuse.ep_experts(x, ids, w, gu, dn, name, 2)
+    dy = torch.randn_like(real[0])
+    real_bwd = torch.ops.moe_fuse.ep_experts_backward(dy, x, ids, w, real[1], gu, dn, real[2], real[3], name, 2)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    f = {id(t): mode.from_tensor(t) for t in (x, ids, w, gu, dn, dy)}
+    with mode:
+        fakes = torch.ops.moe_fuse.ep_experts(f[id(x)], f[id(ids)], f[id(w)], f[id(gu)], f[id(dn)], name, 2)
+        fakes_bwd = torch.ops.moe_fuse.ep_experts_backward(
+            f[id(dy)], f[id(x)], f[id(ids)], f[id(w)], fakes[1], f[id(gu)], f[id(dn)], fakes[2], fakes[3], name, 2
+        )
+    for r, f in zip((*real, *real_bwd), (*fakes, *fakes_bwd)):
+        assert (r.shape, r.dtype, r.device, r.stride()) == (f.shape, f.dtype, f.device, f.stride()), (r.stride(), f.stride())
 
 
 # --------------------------------------------------------------------------- TorchTitan
@@ -137,15 +161,18 @@ def _tokens(rank: int):
     return torch.randn(1, 6 + 3 * rank, D, generator=torch.Generator().manual_seed(5 + rank))
 
 
-def _rewriting_backend(chunks, seen):
+def _rewriting_backend(chunks, seen, inner):
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor.compile_fx import compile_fx
 
     from moe_fuse.passes import ep_torchtitan
 
     def backend(gm, example_inputs):
         count, rejections = ep_torchtitan.rewrite(gm, chunks=chunks)
         seen.append((count, [r.reason for r in rejections], gm.code))
+        if inner == "inductor":  # also holds the op's fake strides to the real ones
+            return compile_fx(gm, example_inputs)
         return aot_autograd(fw_compiler=boxed_nop)(gm, example_inputs)
 
     return backend
@@ -155,11 +182,11 @@ def _check_torchtitan(rank: int, world: int):
     x = _tokens(rank)
     eager = _titan_moe(rank, world)
     want_y, want_dx, want_grads = _step(eager, x)
-    for chunks in (1, 2):
+    for chunks, inner in ((1, "aot_eager"), (2, "inductor")):
         moe = _titan_moe(rank, world)
         seen = []
         torch._dynamo.reset()
-        compiled = torch.compile(moe, backend=_rewriting_backend(chunks, seen))
+        compiled = torch.compile(moe, backend=_rewriting_backend(chunks, seen, inner))
         y, dx, grads = _step(compiled, x)
         assert [s[:2] for s in seen] == [(1, [])], (rank, [s[:2] for s in seen])
         code = seen[0][2]

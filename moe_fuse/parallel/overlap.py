@@ -119,7 +119,7 @@ def make_plan(ids: Tensor, group, world: int, local_experts: int, chunks: int) -
     per_chunk = torch.zeros(2, W, chunks, dtype=torch.int64, device=ids.device)
     per_chunk[0].index_add_(1, chunk_of, counts.view(W, L))
     per_chunk[1].index_add_(1, chunk_of, counts_recv.view(W, L))
-    splits = per_chunk.transpose(1, 2).to("cpu")  # the host sync: [send/recv, chunk, rank]
+    splits = per_chunk.transpose(1, 2).contiguous().to("cpu")  # the host sync: [send/recv, chunk, rank]
     return plan_from(group, L, chunks, splits, counts_recv)
 
 
@@ -199,8 +199,10 @@ def chunked_backward(dy_sorted: Tensor, x_recv, hs, w_gate_up: Tensor, w_down: T
     else:
         (dy_recv,), sends = _dispatch_all([dy_sorted.contiguous()], p)
     dx_sorted = torch.empty_like(dy_sorted)
-    d_gate_up = torch.empty_like(w_gate_up)  # every group's slice is written below (zero if it got no rows)
-    d_down = torch.empty_like(w_down)
+    # Every group's slice is written below (zero if it got no rows). Contiguous whatever the weights' strides:
+    # the graph op's fake implementation promises so.
+    d_gate_up = torch.empty_like(w_gate_up, memory_format=torch.contiguous_format)
+    d_down = torch.empty_like(w_down, memory_format=torch.contiguous_format)
     outs, returns = [], []
     for c, (lo, hi) in enumerate(p.groups):
         sends[c].wait()
