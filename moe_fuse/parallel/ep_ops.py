@@ -58,8 +58,8 @@ def ep_experts(
     k = ids.shape[1]
     L = w_gate_up.shape[0]
     order = chunk_major_order(ids, group.size(), L, chunks)
+    x_sorted = x.index_select(0, order // k)  # queued before the host sync in make_plan
     plan = make_plan(ids, group, group.size(), L, chunks)
-    x_sorted = x.index_select(0, order // k)
     y_sorted, _, _ = chunked_forward(x_sorted, w_gate_up, w_down, plan, weights.dtype, save_h=False)
     y_slots = y_sorted.index_select(0, _inverse(order)).view(T, k, H)
     y = (y_slots * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)

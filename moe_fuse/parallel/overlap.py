@@ -255,8 +255,8 @@ def ep_experts_chunked(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tenso
     T, H = x.shape
     k = ids.shape[1]
     order = chunk_major_order(ids, ep.world, ep.local_experts, chunks)
+    x_sorted = x.index_select(0, order // k)  # queued before the host sync in make_plan: the device works meanwhile
     plan = make_plan(ids, ep.group, ep.world, ep.local_experts, chunks)
-    x_sorted = x.index_select(0, order // k)
     # Keep h (the gate_up output, which the backward reads instead of recomputing) only when a backward can come.
     save_h = torch.is_grad_enabled() and (x.requires_grad or w_gate_up.requires_grad or w_down.requires_grad)
     y_sorted = _ChunkedExperts.apply(x_sorted, w_gate_up, w_down, plan, weights.dtype, save_h)
