@@ -254,6 +254,14 @@ def _check_near_misses(rank: int, world: int):
     output.args = (tuple(output.args[0]) + (offsets,),)
     rejected(gm, "the graph returns")
 
+    # A buffer also accumulates the exchanged counts (a side effect the rewrite would drop).
+    gm = _capture(rank, world)
+    buffer = next(n for n in gm.graph.nodes if n.op == "placeholder" and "tokens_per_expert" in n.name)
+    received = next(n for n in gm.graph.nodes if n.name == "num_global_tokens_per_local_expert_E")
+    with gm.graph.inserting_after(received):
+        gm.graph.call_method("add_", (buffer, received))
+    rejected(gm, f"writes into {buffer.name} with values from the dispatch block")
+
     # The counts come from outside the graph (only the routed-experts module compiled).
     from torchtitan.models.common.moe import RoutedExperts  # noqa: F401
 

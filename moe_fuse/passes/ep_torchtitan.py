@@ -434,7 +434,8 @@ def _removable(m: EPMatch, exchange: fx.Node, send_cpu: fx.Node, write: fx.Node)
         if node.op not in ("call_function", "call_method"):
             raise NoMatch(f"unexpected {node.op} node {node.name} inside the dispatch block", node)
         if is_mutation(node) and node is not write:
-            raise NoMatch(f"{node.name} writes into a tensor inside the dispatch block", node)
+            target = getattr(node.args[0], "name", node.args[0]) if node.args else "?"
+            raise NoMatch(f"{node.name} writes into {target} with values from the dispatch block", node)
         if node.is_impure() and node.target not in _SCALAR_CHECKS and not (
             _c10d(node, "all_to_all_single") or _c10d(node, "wait_tensor") or is_op(node, "setitem")
         ):
