@@ -21,8 +21,9 @@ every expert's weights are read once per pass (as unchunked) and the grouped GEM
 tiles; and the chunk splits follow from the one per-expert count exchange, with no second exchange.
 The cost: chunk sizes follow the routing, so a skewed router gives an uneven pipeline.
 
-Host syncs: one per layer forward -- the ``.tolist()`` of the exchanged counts, which the split sizes
-need -- and none in the backward (the splits are kept). Every other index tensor is made on the device.
+Host syncs: one per layer forward -- the copy of the per-chunk split sizes to the host (they come from
+the exchanged counts, and the all-to-alls take them as Python ints) -- and none in the backward (the
+splits are kept). Every other index tensor is made on the device.
 
 Streams (CUDA): the collectives are issued with ``async_op=True``. The NCCL process group runs them on
 its own stream, which waits for the current stream at issue time (so the rows we just gathered are

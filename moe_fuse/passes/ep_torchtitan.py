@@ -268,9 +268,7 @@ def match(dispatch: fx.Node) -> EPMatch:
     sent_counts, out_sizes, in_sizes, exchange_group = _a2a_args(exchange)
     if exchange_group != group:
         raise NoMatch(f"the count exchange runs over group {exchange_group!r}, the rows over {group!r}", exchange)
-    if is_op(sent_counts, *_VIEWS) and _view_args(sent_counts) == (world, -1) and sent_counts.args[0] is counts:
-        pass
-    else:
+    if not (is_op(sent_counts, *_VIEWS) and _view_args(sent_counts) == (world, -1) and sent_counts.args[0] is counts):
         raise NoMatch("the count exchange does not send counts.view(W, -1)", exchange)
     if out_sizes not in (None, [1] * world) or in_sizes not in (None, [1] * world):
         raise NoMatch(f"the count exchange splits are {in_sizes} -> {out_sizes}, expected even", exchange)
