@@ -142,6 +142,27 @@ def git_version():
         return "?"
 
 
+def print_profile(name, fn, inputs, dy, rank, steps=3, top=12):
+    """Kernel time per step on this rank (all ranks run the steps: the collectives need them)."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available() and dy.is_cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    dist.barrier()
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            torch.autograd.grad(fn(), inputs, dy)
+        if dy.is_cuda:
+            torch.cuda.synchronize()
+    if rank != 0:
+        return
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: -e.device_time_total)
+    busy = sum(e.device_time_total for e in events) / steps / 1e3
+    print(f"== profile {name}: kernels {busy:.3f} ms per step (streams overlap: can exceed the step)")
+    for e in events[:top]:
+        print(f"   {e.device_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<4} {e.key[:90]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for ep_layer_bench.md / .json")
@@ -150,6 +171,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes, fp32 (checks it runs end to end)")
+    ap.add_argument("--profile", action="store_true",
+                    help="then 3 more steps of each variant under torch.profiler: rank 0 prints where its GPU time goes")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -238,6 +261,9 @@ def main():
                          err_vs_fp32=dict(zip(names, vs_ref))))
         if rank == 0:
             print(f"{name}: fwd+bwd {fwd_bwd:.3f} ms, fwd {fwd:.3f} ms", flush=True)
+    if args.profile:
+        for name, fn in variants.items():
+            print_profile(name, fn, inputs, dy, rank)
     base = rows[0]["fwd_bwd_ms"]
     for r in rows:
         r["x_unfused"] = base / r["fwd_bwd_ms"]

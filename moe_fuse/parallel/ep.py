@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse.*)
+from .permute import from_expert_order, inverse_order, to_expert_order
 from .overlap import ep_experts_chunked, expert_groups
 
 
@@ -154,7 +155,8 @@ def ep_experts(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_dow
     received = sum(output_splits)
 
     # 4. Dispatch.
-    x_sorted = x.index_select(0, order // k)
+    pos = inverse_order(order, k)
+    x_sorted = to_expert_order(x, order, pos)
     x_local = all_to_all_single_autograd(x_sorted, output_splits, input_splits, ep.group)
 
     # 5. Local experts. Received rows: by source rank, then by local expert id.
@@ -162,13 +164,12 @@ def ep_experts(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_dow
         torch.arange(L, device=x.device).repeat(W), counts_recv, output_size=received
     ).unsqueeze(1)
     ones = torch.ones(received, 1, dtype=weights.dtype, device=x.device)
-    y_local = torch.ops.moe_fuse.experts(x_local, local_ids, ones, w_gate_up, w_down, False)[0]
+    # Keep h (the gate_up output, which the backward reads instead of recomputing) only when a backward can come.
+    save_h = torch.is_grad_enabled() and (x.requires_grad or w_gate_up.requires_grad or w_down.requires_grad)
+    y_local = torch.ops.moe_fuse.experts(x_local, local_ids, ones, w_gate_up, w_down, save_h)[0]
 
     # 6. Combine.
     y_sorted = all_to_all_single_autograd(y_local, input_splits, output_splits, ep.group)
 
     # 7. Un-permute, routing weights, sum over k (in the slot order, as the one-process op does).
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    y_slots = y_sorted.index_select(0, inverse).view(T, k, H)
-    return (y_slots * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    return from_expert_order(y_sorted, weights, order, pos, x.dtype)

@@ -26,7 +26,9 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse.experts / experts_backward)
+from ..kernels.permute import combine_sorted, combine_sorted_backward
 from .overlap import chunk_major_order, chunked_backward, chunked_forward, expert_groups, make_plan, plan_from
+from .permute import inverse_order
 
 
 def _check(x, ids, weights, w_gate_up, w_down, chunks):
@@ -42,12 +44,6 @@ def _check(x, ids, weights, w_gate_up, w_down, chunks):
     expert_groups(L, chunks)  # ValueError on a bad chunk count
 
 
-def _inverse(order: Tensor) -> Tensor:
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return inverse
-
-
 @torch.library.custom_op("moe_fuse::ep_experts", mutates_args=())
 def ep_experts(
     x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, group_name: str, chunks: int
@@ -61,8 +57,7 @@ def ep_experts(
     x_sorted = x.index_select(0, order // k)  # queued before the host sync in make_plan
     plan = make_plan(ids, group, group.size(), L, chunks)
     y_sorted, _, _ = chunked_forward(x_sorted, w_gate_up, w_down, plan, weights.dtype, save_h=False)
-    y_slots = y_sorted.index_select(0, _inverse(order)).view(T, k, H)
-    y = (y_slots * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    y = combine_sorted(y_sorted, inverse_order(order, k), weights, x.dtype)
     return y, y_sorted, plan.counts_recv, plan.splits
 
 
@@ -93,18 +88,14 @@ def ep_experts_backward(
     L = w_gate_up.shape[0]
     order = chunk_major_order(ids, group.size(), L, chunks)
     plan = plan_from(group, L, chunks, splits, counts_recv)
-    # y = sum_j weights[t, j] * y_slots[t, j] in the promoted dtype, then a cast: the same products backwards.
-    y_slots = y_sorted.index_select(0, _inverse(order)).view(T, k, H)
-    g = dy.to(torch.promote_types(y_sorted.dtype, weights.dtype)).unsqueeze(1)
-    d_weights = (g * y_slots).sum(-1).to(weights.dtype)
-    d_slots = (g * weights.unsqueeze(-1)).to(y_sorted.dtype).view(T * k, H)
-    dy_sorted = d_slots.index_select(0, order)  # y_slots[i] = y_sorted[inverse[i]]
+    # y[t] = sum_j weights[t, j] * y_sorted[pos[t, j]]: d(y_sorted) comes out in expert order, as sent.
+    dy_sorted, d_weights = combine_sorted_backward(dy, y_sorted, order, weights, k)
     x_sorted = x.index_select(0, order // k)
     no_h = [w_gate_up.new_empty((0, w_gate_up.shape[1]))] * len(plan.groups)  # recompute gate_up per chunk
     dx_sorted, d_gate_up, d_down = chunked_backward(
         dy_sorted, None, no_h, w_gate_up, w_down, plan, weights.dtype, x_sorted=x_sorted
     )
-    dx = torch.zeros((T, H), dtype=dx_sorted.dtype, device=dy.device).index_add_(0, order // k, dx_sorted)
+    dx = combine_sorted(dx_sorted, inverse_order(order, k), None, dx_sorted.dtype)  # sum over each token's slots
     return dx, d_weights.contiguous(), d_gate_up, d_down
 
 

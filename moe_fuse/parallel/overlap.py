@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse.*)
+from .permute import from_expert_order, inverse_order, to_expert_order
 
 
 def expert_groups(local_experts: int, chunks: int) -> list[tuple[int, int]]:
@@ -256,14 +257,12 @@ def ep_experts_chunked(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tenso
     T, H = x.shape
     k = ids.shape[1]
     order = chunk_major_order(ids, ep.world, ep.local_experts, chunks)
-    x_sorted = x.index_select(0, order // k)  # queued before the host sync in make_plan: the device works meanwhile
+    pos = inverse_order(order, k)
+    x_sorted = to_expert_order(x, order, pos)  # queued before the host sync in make_plan: the device works meanwhile
     plan = make_plan(ids, ep.group, ep.world, ep.local_experts, chunks)
     # Keep h (the gate_up output, which the backward reads instead of recomputing) only when a backward can come.
     save_h = torch.is_grad_enabled() and (x.requires_grad or w_gate_up.requires_grad or w_down.requires_grad)
     y_sorted = _ChunkedExperts.apply(x_sorted, w_gate_up, w_down, plan, weights.dtype, save_h)
 
     # Un-permute, routing weights, sum over k (in the slot order, as the one-process op does).
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=x.device)
-    y_slots = y_sorted.index_select(0, inverse).view(T, k, H)
-    return (y_slots * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    return from_expert_order(y_sorted, weights, order, pos, x.dtype)
