@@ -23,6 +23,8 @@ OPTION_DOCS = {
     "moe_fuse.debug_dir": "folder for the dumps (default: $MOE_FUSE_DEBUG_DIR, else none)",
     "moe_fuse.verify": "prove each match on random probes before rewriting it (default True)",
     "moe_fuse.causal_sdpa": "turn a constant plain-causal SDPA mask into is_causal=True (default True)",
+    "moe_fuse.ep_chunks": "expert parallelism: replace TorchTitan's all-to-all dispatch chain by the chunked, "
+    "overlapped moe_fuse.ep_experts op with this many expert groups (default None: left as it is)",
 }
 
 
@@ -32,6 +34,7 @@ class Options:
     debug_dir: str | None = None
     verify: bool = True
     causal_sdpa: bool = True
+    ep_chunks: int | None = None
 
 
 def parse_options(options: dict | None) -> tuple[Options, dict]:
@@ -51,12 +54,15 @@ def parse_options(options: dict | None) -> tuple[Options, dict]:
     causal_sdpa = ours.get("moe_fuse.causal_sdpa", True)
     if not isinstance(causal_sdpa, bool):
         raise ValueError(f"moe_fuse.causal_sdpa={causal_sdpa!r}; expected True or False")
+    ep_chunks = ours.get("moe_fuse.ep_chunks", None)
+    if ep_chunks is not None and (not isinstance(ep_chunks, int) or isinstance(ep_chunks, bool) or ep_chunks < 1):
+        raise ValueError(f"moe_fuse.ep_chunks={ep_chunks!r}; expected a positive int or None")
     debug_dir = ours.get("moe_fuse.debug_dir", os.environ.get("MOE_FUSE_DEBUG_DIR") or None)
     if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
         raise ValueError(f"moe_fuse.debug_dir={debug_dir!r}; expected a folder path")
     if rest and inner != "inductor":
         raise ValueError(f"options {sorted(rest)} are for Inductor, but moe_fuse.inner={inner!r}")
-    return Options(inner, os.fspath(debug_dir) if debug_dir else None, verify, causal_sdpa), rest
+    return Options(inner, os.fspath(debug_dir) if debug_dir else None, verify, causal_sdpa, ep_chunks), rest
 
 
 def inner_compile(gm, example_inputs, opts: Options, mode: str | None, inductor_options: dict):
@@ -79,7 +85,8 @@ def moe_fuse_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | No
         raise ValueError(f"mode={mode!r} is an Inductor mode, but moe_fuse.inner={opts.inner!r}")
     report = debug.new_report()
     before = debug.graph_code(gm)
-    run_passes(gm, example_inputs, report, verify_matches=opts.verify, causal_sdpa=opts.causal_sdpa)
+    run_passes(gm, example_inputs, report, verify_matches=opts.verify, causal_sdpa=opts.causal_sdpa,
+               ep_chunks=opts.ep_chunks)
     after = debug.graph_code(gm)
     debug.emit(report, before, after, opts.debug_dir)
     return inner_compile(gm, example_inputs, opts, mode, inductor_options)

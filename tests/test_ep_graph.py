@@ -41,6 +41,7 @@ def _worker(rank: int, world: int, store_path: str, debug_dir: str):
         _check_torchtitan(rank, world)
         _check_near_misses(rank, world)
         _check_default_backend_leaves_it(rank, world, debug_dir)
+        _check_backend_option(rank, world, debug_dir)
     finally:
         dist.destroy_process_group()
 
@@ -293,6 +294,32 @@ def _check_default_backend_leaves_it(rank: int, world: int, debug_dir: str):
     calls = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
     assert sum("_c10d_functional.all_to_all_single(" in line for line in calls) == 3, text
     assert not any("torch.ops.moe_fuse" in line for line in calls), text
+
+
+def _check_backend_option(rank: int, world: int, debug_dir: str):
+    """options={"moe_fuse.ep_chunks": 2}: the moe_fuse backend itself rewrites the chain, and reports it."""
+    import json
+    import pathlib
+
+    x = _tokens(rank)
+    want_y, want_dx, want_grads = _step(_titan_moe(rank, world), x)
+    torch._dynamo.reset()
+    out = pathlib.Path(f"{debug_dir}/option{rank}")
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.ep_chunks": 2, "moe_fuse.debug_dir": str(out)}
+    y, dx, grads = _step(torch.compile(_titan_moe(rank, world), backend="moe_fuse", options=options), x)
+    assert rel_err(y, want_y) <= TOL, (rank, rel_err(y, want_y))
+    assert rel_err(dx, want_dx) <= GRAD_TOL, (rank, rel_err(dx, want_dx))
+    for name, g in grads.items():
+        assert rel_err(g, want_grads[name]) <= GRAD_TOL, (rank, name, rel_err(g, want_grads[name]))
+    (after,) = out.glob("graph_*/after.py")
+    calls = [line for line in after.read_text().splitlines() if not line.lstrip().startswith("#")]
+    assert sum("moe_fuse.ep_experts" in line for line in calls) == 1
+    assert not any("all_to_all_single(" in line for line in calls)
+    (report,) = out.glob("graph_*/report.json")
+    matches = json.loads(report.read_text())["matches"]
+    assert [(m["pattern"], m["chunks"]) for m in matches if m["pattern"] == "torchtitan_ep_dispatch"] == [
+        ("torchtitan_ep_dispatch", 2)
+    ], matches
 
 
 def test_ep_dispatch_in_graphs_two_ranks(tmp_path):

@@ -28,7 +28,7 @@ def test_unknown_key_lists_the_valid_ones():
         parse_options({"moe_fuse.debugdir": "x"})
     message = str(err.value)
     assert "unknown moe_fuse option(s) ['moe_fuse.debugdir']" in message
-    for key in ("moe_fuse.inner", "moe_fuse.debug_dir", "moe_fuse.verify", "moe_fuse.causal_sdpa"):
+    for key in ("moe_fuse.inner", "moe_fuse.debug_dir", "moe_fuse.verify", "moe_fuse.causal_sdpa", "moe_fuse.ep_chunks"):
         assert key in message
 
 
@@ -38,6 +38,8 @@ def test_unknown_key_lists_the_valid_ones():
         ({"moe_fuse.inner": "tvm"}, "moe_fuse.inner='tvm'; expected one of"),
         ({"moe_fuse.verify": "yes"}, "moe_fuse.verify='yes'; expected True or False"),
         ({"moe_fuse.causal_sdpa": 1}, "moe_fuse.causal_sdpa=1; expected True or False"),
+        ({"moe_fuse.ep_chunks": 0}, "moe_fuse.ep_chunks=0; expected a positive int or None"),
+        ({"moe_fuse.ep_chunks": True}, "moe_fuse.ep_chunks=True; expected a positive int or None"),
         ({"moe_fuse.inner": "eager", "max_autotune": True}, "are for Inductor, but moe_fuse.inner='eager'"),
     ],
 )

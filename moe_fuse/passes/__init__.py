@@ -98,10 +98,26 @@ def _recompute_h(cand: Candidate) -> None:
         cand.op_args = (*cand.op_args[:-1], False)
 
 
-def run_passes(gm: fx.GraphModule, example_inputs, report, verify_matches: bool = True, causal_sdpa: bool = True):
+def _rewrite_ep_dispatch(module: fx.GraphModule, chunks: int, report, where: str) -> None:
+    """TorchTitan's all-to-all dispatch chain -> moe_fuse.ep_experts (ep_torchtitan.py), before the other
+    patterns see the grouped GEMMs inside it."""
+    from . import ep_torchtitan  # imports torch.distributed pieces: only when asked for
+
+    _, rejections = ep_torchtitan.rewrite(module, chunks)
+    for r in rejections:
+        report.reject(ep_torchtitan.PATTERN, r.reason, where, r.node)
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.moe_fuse.ep_experts.default:
+            report.rewrite(ep_torchtitan.PATTERN, where, node, {"chunks": node.args[-1], "group": node.args[-2]})
+
+
+def run_passes(gm: fx.GraphModule, example_inputs, report, verify_matches: bool = True, causal_sdpa: bool = True,
+               ep_chunks: int | None = None):
     values = RealValues(gm, example_inputs)
     checkpointed = checkpointed_bodies(gm)
     for where, module in graphs_in(gm):
+        if ep_chunks is not None:  # opt-in (a collective cannot be probed): proved literal by literal instead
+            _rewrite_ep_dispatch(module, ep_chunks, report, where)
         found = [f for mod in PATTERN_MODULES for f in mod.find(module.graph)]
         accepted: list[Candidate] = []
         for item in found:

@@ -29,8 +29,9 @@ pure functions of the exchanged counts: they are evaluated on random counts (zer
 rank-major -> expert-major permutation and the expert offsets. Nothing computed between the count
 exchange and the combine may be read outside the block (else: rejected, with the reason).
 
-Not wired into the default pass list (``passes/__init__.py``): call ``rewrite`` from a backend (the tests
-do) until the lead decides; the verifier of the default passes cannot run probes through collectives.
+Opt-in: ``torch.compile(..., backend="moe_fuse", options={"moe_fuse.ep_chunks": N})`` runs ``rewrite`` on
+every graph before the other patterns (``passes/__init__.py``); the verifier of the default passes cannot
+run probes through collectives, so this match is proved by the checks above instead.
 Not handled: the graph-broken form (``capture_scalar_outputs`` off: the splits become constants of a later
 graph), TorchAO's padded permute, DeepEP.
 """
@@ -47,6 +48,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from ..parallel import ep_ops  # noqa: F401  (registers torch.ops.moe_fuse.ep_experts)
 from .graph import NoMatch, arg, dtype_of, expect, is_mutation, is_op, meta_value, op_name, shape_of
 from .torchtitan import _expert_weight, _is_scatter_add, _mm_operands
+
 
 PATTERN = "torchtitan_ep_dispatch"
 _VIEWS = ("view", "reshape")
