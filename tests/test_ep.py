@@ -25,7 +25,9 @@ BATCHES = [dict(batch=2, seq=12, seed=1), dict(batch=1, seq=9, seed=2)]  # one p
 def _worker(rank: int, world: int, store_path: str):
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    # A generous timeout: on a loaded 2-core machine one rank may still be compiling while the other waits.
+    timeout = datetime.timedelta(seconds=300)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         _check(rank, world)
     finally:

@@ -34,7 +34,9 @@ def _worker(rank: int, world: int, store_path: str, debug_dir: str):
     warnings.filterwarnings("ignore", message=".*CPU [Aa]utocast.*")
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    # A generous timeout: on a loaded 2-core machine one rank may still be compiling while the other waits.
+    timeout = datetime.timedelta(seconds=300)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     torch._dynamo.config.capture_scalar_outputs = True  # as TorchTitan's compile sets it
     try:
         _check_op(rank, world)
