@@ -14,7 +14,8 @@ shape of token dispatch:
 5. ``torch.ops.moe_fuse.experts`` on the received rows with local expert ids and k = 1, routing
    weight 1 (received rows arrive grouped by source rank, then by local expert);
 6. combine: the reverse ``all_to_all_single`` (autograd);
-7. un-permute on the source rank, multiply by the routing weights, sum over the k slots.
+7. un-permute on the source rank, multiply by the routing weights, sum over the k slots
+   (``permute.py``: one fixed-order kernel each way, no index_add in the backward).
 
 Routing weights are applied *after* the combine, on the rank that owns the token (step 7), not before
 the return all-to-all: no weights travel, and their gradient is an ordinary local product.
@@ -29,8 +30,8 @@ local experts split into N groups, whose dispatch / combine all-to-alls overlap 
 GEMMs of the neighbouring groups, forward and backward; same results, same single host sync.
 
 In compiled graphs, ``moe_fuse/passes/ep_torchtitan.py`` replaces TorchTitan's dispatch chain (functional
-all-to-alls + ``wait_tensor``) by ``torch.ops.moe_fuse.ep_experts`` (``ep_ops.py``); it is not in the
-default pass list yet.
+all-to-alls + ``wait_tensor``) by ``torch.ops.moe_fuse.ep_experts`` (``ep_ops.py``) when the backend
+gets ``options={"moe_fuse.ep_chunks": N}``.
 
 Still missing (issue #5): transformers' own sentinel-id EP plan in graphs; Triton kernels over
 ``torch.distributed._symmetric_memory`` with no host sync at all.
