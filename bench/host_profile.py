@@ -29,14 +29,30 @@ from profile_layer import kernel_table  # noqa: E402
 
 
 def enqueue_ms(step, n=30):
-    step()
+    """(host ms, wall ms) per step: n steps issued back to back, timed before and after the final synchronize."""
+    for _ in range(3):
+        step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
         step()
     t1 = time.perf_counter()
     torch.cuda.synchronize()
-    return (t1 - t0) * 1e3 / n
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e3 / n, (t2 - t0) * 1e3 / n
+
+
+def layer_step(fn, x, dy, params):
+    """One forward + backward of the compiled block ``fn``, gradients of ``params`` reset first."""
+
+    def step():
+        for p in params:
+            p.grad = None
+        out = fn(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(dy)
+
+    return step
 
 
 def profile_case(shape, tokens, backends, top):
@@ -46,17 +62,9 @@ def profile_case(shape, tokens, backends, top):
     params = [x, *block.parameters()]
     times = {}
     for name in backends:
-        fn = torch.compile(block, backend=name)
-
-        def step(fn=fn):
-            for p in params:
-                p.grad = None
-            out = fn(x)
-            out = out[0] if isinstance(out, tuple) else out
-            out.backward(dy)
-
+        step = layer_step(torch.compile(block, backend=name), x, dy, params)
         times[name] = ms = do_bench(step, warmup=20, rep=200, return_mode="median")
-        enq = enqueue_ms(step)
+        enq, _ = enqueue_ms(step)
         print(f"== {name} {shape} T={tokens}: step {ms:.3f} ms, enqueue {enq:.3f} ms/step\n{kernel_table(step, top=8)}")
         if name == "moe_fuse":
             from moe_fuse.kernels import backward

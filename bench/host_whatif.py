@@ -12,26 +12,13 @@ steps are garbage; nothing is checked.
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_profile import enqueue_ms, layer_step  # noqa: E402
 from layer_bench import SHAPES, build_block, ensure_moe_fuse_backend  # noqa: E402
-
-
-def enqueue_ms(step, n=50):
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) * 1e3 / n, (t2 - t0) * 1e3 / n
 
 
 def stubs():
@@ -70,27 +57,19 @@ def main():
     dy = torch.randn_like(x)
     params = [x, *block.parameters()]
     for backend in ("inductor", "moe_fuse"):
-        fn = torch.compile(block, backend=backend)
-
-        def step(fn=fn):
-            for p in params:
-                p.grad = None
-            out = fn(x)
-            out = out[0] if isinstance(out, tuple) else out
-            out.backward(dy)
-
-        host, wall = enqueue_ms(step)
+        step = layer_step(torch.compile(block, backend=backend), x, dy, params)
+        host, wall = enqueue_ms(step, n=50)
         print(f"{backend:<9} host {host:.3f} ms/step, wall {wall:.3f} ms/step")
         if backend != "moe_fuse":
             continue
         saved = {name: getattr(kernels, name) for name in stubs()}
         for name, stub in stubs().items():  # cumulative: each line also stubs the ones above it
             setattr(kernels, name, stub)
-            host, wall = enqueue_ms(step)
+            host, wall = enqueue_ms(step, n=50)
             print(f"  + stub {name:<22} host {host:.3f} ms/step, wall {wall:.3f} ms/step")
         for name, fn_ in saved.items():
             setattr(kernels, name, fn_)
-        host, wall = enqueue_ms(step)
+        host, wall = enqueue_ms(step, n=50)
         print(f"  restored                      host {host:.3f} ms/step, wall {wall:.3f} ms/step")
 
 

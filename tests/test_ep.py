@@ -7,27 +7,19 @@ reference on its batch, its expert slices' gradients match the slices of the sum
 and the other gradients match after an all-reduce.
 """
 
-import datetime
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ep_common import BATCHES, TOL, assert_matches_reference, expert_parameters, init_gloo, reference
 from models import loss_and_grads, qwen3_moe, rel_err, token_batch
 
 WORLD = 2
-TOL = 1e-5
-BATCHES = [dict(batch=2, seq=12, seed=1), dict(batch=1, seq=9, seed=2)]  # one per rank
 
 
 def _worker(rank: int, world: int, store_path: str):
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    # A generous timeout: on a loaded 2-core machine one rank may still be compiling while the other waits.
-    timeout = datetime.timedelta(seconds=300)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    init_gloo(rank, world, store_path)
     try:
         _check(rank, world)
     finally:
@@ -37,13 +29,7 @@ def _worker(rank: int, world: int, store_path: str):
 def _check(rank: int, world: int):
     from moe_fuse.parallel import shard_experts
 
-    batches = [token_batch(**b) for b in BATCHES]
-
-    # Reference: one process, unsharded, each batch separately, gradients summed.
-    ref = qwen3_moe()
-    ref_out = [loss_and_grads(ref, ids) for ids in batches]
-    ref_grads = {n: sum(out[3][n] for out in ref_out) for n in ref_out[0][3]}
-    ref_loss, ref_logits, ref_aux, _ = ref_out[rank]
+    ref = reference(rank)
 
     # E not divisible by the group size: a clear error, nothing changed.
     odd = qwen3_moe(num_experts=5)
@@ -54,38 +40,23 @@ def _check(rank: int, world: int):
     _check_edge_splits(rank, world)
 
     model = shard_experts(qwen3_moe())
-    E, L = 6, 6 // world
+    L = 6 // world
     lo, hi = rank * L, (rank + 1) * L
-    expert_names = set()
+    expert_names = expert_parameters(model)
     routed = []
-    for name, module in model.named_modules():
+    for module in model.modules():
         if hasattr(module, "_moe_fuse_ep"):
-            expert_names |= {f"{name}.gate_up_proj", f"{name}.down_proj"}
             assert module.gate_up_proj.shape[0] == L and module.down_proj.shape[0] == L
             module.register_forward_hook(lambda m, args, out: routed.append(args[1].detach().clone()))
     assert len(expert_names) == 4  # two MoE layers
 
-    loss, logits, aux, grads = loss_and_grads(model, batches[rank])
+    step = loss_and_grads(model, token_batch(**BATCHES[rank]))
 
     # The batch really crosses ranks: rows go to local and to remote experts.
     ids = torch.cat([r.reshape(-1) for r in routed])
     assert ((ids >= lo) & (ids < hi)).any() and ((ids < lo) | (ids >= hi)).any()
 
-    assert rel_err(loss, ref_loss) < TOL, (rank, loss, ref_loss)
-    assert rel_err(logits, ref_logits) < TOL, (rank, rel_err(logits, ref_logits))
-    assert rel_err(aux, ref_aux) < TOL, (rank, aux, ref_aux)
-
-    assert set(grads) == set(ref_grads)
-    for name in sorted(grads):
-        g = grads[name]
-        if name in expert_names:
-            want = ref_grads[name][lo:hi]
-        else:
-            dist.all_reduce(g)
-            want = ref_grads[name]
-        assert g.shape == want.shape, (name, g.shape, want.shape)
-        err = rel_err(g, want)
-        assert err < TOL, (rank, name, err)
+    assert_matches_reference(step, ref, expert_names, lo, hi, tag=(rank,))
 
 
 def _check_edge_splits(rank: int, world: int):

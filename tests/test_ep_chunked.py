@@ -7,27 +7,20 @@ all-to-all calls are counted, so the test also shows that the rows really travel
 forward and backward, behind one blocking count exchange.
 """
 
-import datetime
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ep_common import BATCHES, TOL, assert_matches_reference, expert_parameters, init_gloo, reference
 from models import loss_and_grads, qwen3_moe, rel_err, token_batch
 
 WORLD = 2
-TOL = 1e-5
-BATCHES = [dict(batch=2, seq=12, seed=1), dict(batch=1, seq=9, seed=2)]  # one per rank
 CHUNKS = (1, 2, 3)
 
 
 def _worker(rank: int, world: int, store_path: str):
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    # A generous timeout: on a loaded 2-core machine one rank may still be compiling while the other waits.
-    timeout = datetime.timedelta(seconds=300)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    init_gloo(rank, world, store_path)
     try:
         _check_errors(world)
         _check_edge_routing(rank, world)
@@ -76,39 +69,20 @@ def _check_errors(world: int):
 def _check_model(rank: int, world: int):
     from moe_fuse.parallel import shard_experts
 
-    batches = [token_batch(**b) for b in BATCHES]
-    ref = qwen3_moe()
-    ref_out = [loss_and_grads(ref, ids) for ids in batches]
-    ref_grads = {n: sum(out[3][n] for out in ref_out) for n in ref_out[0][3]}
-    ref_loss, ref_logits, ref_aux, _ = ref_out[rank]
+    ref = reference(rank)
+    batch = token_batch(**BATCHES[rank])
     L = 6 // world
     lo, hi = rank * L, (rank + 1) * L
 
     for chunks in CHUNKS:
         model = shard_experts(qwen3_moe(), chunks=chunks)
-        expert_names = {
-            f"{name}.{w}" for name, m in model.named_modules() if hasattr(m, "_moe_fuse_ep") for w in ("gate_up_proj", "down_proj")
-        }
+        expert_names = expert_parameters(model)
         assert len(expert_names) == 4  # two MoE layers
         with _CountA2A() as calls:
-            loss, logits, aux, grads = loss_and_grads(model, batches[rank])
+            step = loss_and_grads(model, batch)
         # Per layer: the count exchange (blocking), N dispatches and N combines forward, N of each backward.
         assert (calls.blocking, calls.async_) == (2, 2 * 4 * chunks), (chunks, calls.blocking, calls.async_)
-
-        assert rel_err(loss, ref_loss) < TOL, (rank, chunks, loss, ref_loss)
-        assert rel_err(logits, ref_logits) < TOL, (rank, chunks, rel_err(logits, ref_logits))
-        assert rel_err(aux, ref_aux) < TOL, (rank, chunks, aux, ref_aux)
-        assert set(grads) == set(ref_grads)
-        for name in sorted(grads):
-            g = grads[name]
-            if name in expert_names:
-                want = ref_grads[name][lo:hi]
-            else:
-                dist.all_reduce(g)
-                want = ref_grads[name]
-            assert g.shape == want.shape, (name, g.shape, want.shape)
-            err = rel_err(g, want)
-            assert err < TOL, (rank, chunks, name, err)
+        assert_matches_reference(step, ref, expert_names, lo, hi, tag=(rank, chunks))
 
 
 def _check_edge_routing(rank: int, world: int):

@@ -10,7 +10,6 @@
   reason; the default moe_fuse backend leaves the EP graph alone.
 """
 
-import datetime
 import operator
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ep_common import init_gloo
 from models import rel_err
 
 pytest.importorskip("torchtitan.models.common.moe")
@@ -32,11 +32,7 @@ def _worker(rank: int, world: int, store_path: str, debug_dir: str):
     import warnings
 
     warnings.filterwarnings("ignore", message=".*CPU [Aa]utocast.*")
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    # A generous timeout: on a loaded 2-core machine one rank may still be compiling while the other waits.
-    timeout = datetime.timedelta(seconds=300)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    init_gloo(rank, world, store_path)
     torch._dynamo.config.capture_scalar_outputs = True  # as TorchTitan's compile sets it
     try:
         _check_op(rank, world)

@@ -1,0 +1,57 @@
+"""What the 2-process expert-parallel model tests share: the gloo set-up, the one-process reference and
+the comparison of a sharded model's step against it (test_ep.py, test_ep_chunked.py)."""
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from models import loss_and_grads, qwen3_moe, rel_err, token_batch
+
+TOL = 1e-5
+BATCHES = [dict(batch=2, seq=12, seed=1), dict(batch=1, seq=9, seed=2)]  # one per rank, of different sizes
+
+
+def init_gloo(rank: int, world: int, store_path: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    # A generous timeout: on a loaded 2-core machine one rank may still be compiling while the other waits.
+    timeout = datetime.timedelta(seconds=300)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def reference(rank: int):
+    """The unsharded model run on each rank's batch in one process: (this rank's loss, logits, aux loss),
+    and the gradients summed over the batches -- what one EP + data-parallel step computes."""
+    batches = [token_batch(**b) for b in BATCHES]
+    outs = [loss_and_grads(qwen3_moe(), ids) for ids in batches]
+    grads = {n: sum(out[3][n] for out in outs) for n in outs[0][3]}
+    return (*outs[rank][:3], grads)
+
+
+def expert_parameters(model) -> set:
+    """Names of the sharded experts' parameters."""
+    return {f"{name}.{w}" for name, m in model.named_modules() if hasattr(m, "_moe_fuse_ep")
+            for w in ("gate_up_proj", "down_proj")}
+
+
+def assert_matches_reference(step, ref, expert_names: set, lo: int, hi: int, tag=()):
+    """``step`` = (loss, logits, aux, grads) of this rank's sharded model on its batch. Loss, logits and aux
+    match the reference on the same batch; expert gradients match the reference's slice [lo, hi) (they
+    already sum every rank's tokens); the others match after an all-reduce."""
+    loss, logits, aux, grads = step
+    ref_loss, ref_logits, ref_aux, ref_grads = ref
+    assert rel_err(loss, ref_loss) < TOL, (*tag, loss, ref_loss)
+    assert rel_err(logits, ref_logits) < TOL, (*tag, rel_err(logits, ref_logits))
+    assert rel_err(aux, ref_aux) < TOL, (*tag, aux, ref_aux)
+    assert set(grads) == set(ref_grads)
+    for name in sorted(grads):
+        g = grads[name]
+        if name in expert_names:
+            want = ref_grads[name][lo:hi]
+        else:
+            dist.all_reduce(g)
+            want = ref_grads[name]
+        assert g.shape == want.shape, (name, g.shape, want.shape)
+        err = rel_err(g, want)
+        assert err < TOL, (*tag, name, err)
