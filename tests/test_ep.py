@@ -10,9 +10,8 @@ and the other gradients match after an all-reduce.
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from ep_common import BATCHES, TOL, assert_matches_reference, expert_parameters, init_gloo, reference
+from ep_common import BATCHES, TOL, assert_matches_reference, expert_parameters, init_gloo, reference, spawn_ranks
 from models import loss_and_grads, qwen3_moe, rel_err, token_batch
 
 WORLD = 2
@@ -96,4 +95,4 @@ def _check_edge_splits(rank: int, world: int):
 
 
 def test_expert_parallel_two_ranks_match_one_process(tmp_path):
-    mp.spawn(_worker, args=(WORLD, str(tmp_path / "store")), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, tmp_path, WORLD)

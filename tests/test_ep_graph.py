@@ -15,9 +15,8 @@ import operator
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from ep_common import init_gloo
+from ep_common import init_gloo, spawn_ranks
 from models import rel_err
 
 pytest.importorskip("torchtitan.models.common.moe")
@@ -321,4 +320,4 @@ def _check_backend_option(rank: int, world: int, debug_dir: str):
 
 
 def test_ep_dispatch_in_graphs_two_ranks(tmp_path):
-    mp.spawn(_worker, args=(WORLD, str(tmp_path / "store"), str(tmp_path / "debug")), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, tmp_path, WORLD, "debug")
