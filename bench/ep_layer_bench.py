@@ -22,11 +22,13 @@ gradients (x, routing weights, gate_up, down) against the unfused path, and ever
 per-expert reference of the whole batch (all ranks' tokens, computed on every rank); the largest over ranks.
 Writes ep_layer_bench.md and ep_layer_bench.json to --out.
 """
-import argparse, datetime, json, os, platform, statistics, subprocess, sys, time
+import argparse, datetime, json, os, platform, statistics, sys, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo's moe_fuse wins, installed or not
+
+from provenance import code_version  # noqa: E402  (bench/ is this script's directory)
 
 import torch
 import torch.distributed as dist
@@ -132,14 +134,6 @@ def time_ms(fn, dev, warmup, iters):
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return max_over_ranks([statistics.median(times)], dev)[0]
-
-
-def git_version():
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-    except Exception:
-        return "?"
 
 
 def print_profile(name, fn, inputs, dy, rank, steps=3, top=12):
@@ -272,10 +266,10 @@ def main():
         meta = dict(shape=dict(H=H, I=I, E=E, k=k), tokens_per_rank=T, world=world, dtype=str(dtype),
                     backend=dist.get_backend(), device=torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
                     torch=torch.__version__, grouped_mm=cuda and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"),
-                    warmup=warmup, iters=iters, git=git_version(), command=" ".join(sys.argv))
+                    warmup=warmup, iters=iters, **code_version(), command=" ".join(sys.argv))
         lines = [
             f"EP layer, H={H} I={I} E={E} k={k}, {T} tokens per rank x {world} ranks, {dtype}, {meta['backend']}, "
-            f"{meta['device']}, torch {meta['torch']}, git {meta['git']}",
+            f"{meta['device']}, torch {meta['torch']}, git {meta['git']}, sources {meta['source_sha']}",
             "",
             "time: median over iterations, slowest rank; x_unfused = unfused fwd+bwd / this; errors: relative "
             "L2, largest over ranks (y / dx / d_weights / d_gate_up / d_down)",

@@ -8,11 +8,13 @@ Variants: hf_grouped_mm (eager reference), hf_inductor (the peer), moe_fuse, lig
 importable), grouped_gemms_only (lower bound). Each is checked against eager on fresh random
 inputs before it is timed; an exception becomes an error row. Columns: bench/README.md.
 """
-import argparse, copy, json, math, os, platform, signal, statistics, subprocess, sys, time, traceback, types
+import argparse, copy, json, math, os, platform, signal, statistics, sys, time, traceback, types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo's moe_fuse wins, installed or not
+
+from provenance import code_version  # noqa: E402  (bench/ is this script's directory)
 
 import torch
 import transformers
@@ -322,7 +324,7 @@ def print_table(rows, peak, meta):
            f"{'%peak':>6s} {'x_ind':>6s} {'mem MB':>8s} {'comp s':>7s} {'err':>8s} {'grad err':>8s}")
     print("\n" + "=" * len(hdr))
     print(f"layer_bench  {meta['device_name']}  torch {meta['torch']}  triton {meta['triton']}  "
-          f"transformers {meta['transformers']}  moe_fuse@{meta['version']}")
+          f"transformers {meta['transformers']}  moe_fuse@{meta['git']} (sources {meta['source_sha']})")
     print(f"matmul peak ({peak['n']}^3, {meta['dtype']}): {peak['tflops']:.1f} TFLOP/s;  "
           f"FLOPs = 6*T*k*H*I fwd, 3x fwd+bwd (router not counted);  x_ind = {PEER}_ms / ms")
     print(hdr)
@@ -369,14 +371,6 @@ def plot(rows, peak, out_dir):
     return str(path)
 
 
-def git_version():
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                              capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
@@ -402,7 +396,7 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     meta = dict(torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
-                python=platform.python_version(), version=git_version(), dtype=str(dtype).replace("torch.", ""),
+                python=platform.python_version(), **code_version(), dtype=str(dtype).replace("torch.", ""),
                 device_name=torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu",
                 args=vars(args), started=time.strftime("%Y-%m-%d %H:%M:%S"), liger_kernel=liger_version())
     print(f"layer_bench: {meta}")

@@ -14,11 +14,13 @@ memory, first-step loss (must agree across backends), ratios vs eager and vs ind
 optimizer / rest (rules: bench/README.md). Writes train_step.md, train_step.json and
 train_step.png (matplotlib permitting) to --out. --tiny is the CPU check.
 """
-import argparse, collections, gc, json, os, platform, re, signal, statistics, subprocess, sys, time, traceback
+import argparse, collections, gc, json, os, platform, re, signal, statistics, sys, time, traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo's moe_fuse wins, installed or not
+
+from provenance import code_version  # noqa: E402  (bench/ is this script's directory)
 
 import torch
 import torch._dynamo
@@ -520,7 +522,7 @@ def markdown(rows, meta):
          f"{meta['tokens']} tokens/step (batch {meta['batch']} x seq {meta['seq']})", "",
          f"{meta['device_name']}; torch {meta['torch']}, triton {meta['triton']}, transformers "
          f"{meta['transformers']}; {meta['dtype']} params, AdamW ({meta['optimizer']}), {meta['steps']} timed "
-         f"steps after {meta['warmup']} untimed; repo {meta['version']}; {meta['params_total']:,} params", "",
+         f"steps after {meta['warmup']} untimed; repo {meta['git']}, sources {meta['source_sha']}; {meta['params_total']:,} params", "",
          "fwd+bwd = forward (with the loss over the full vocabulary) + backward, median; AdamW timed separately. "
          "x_eager / x_ind = peer's fwd+bwd ms / this fwd+bwd ms (> 1 = faster), same ckpt. "
          "Peak = torch.cuda.max_memory_allocated during fwd+bwd (weights, grads and AdamW state included). "
@@ -614,14 +616,6 @@ def plot(rows, out_dir):
     return str(path)
 
 
-def git_version():
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                              capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
 # ---------------------------------------------------------------- driver
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -682,7 +676,7 @@ def main(argv=None):
     with torch.device("meta"):
         params_total = sum(p.numel() for p in Qwen3MoeForCausalLM(cfg).parameters())
     meta = dict(torch=torch.__version__, triton=TRITON_VERSION, transformers=transformers.__version__,
-                python=platform.python_version(), version=git_version(),
+                python=platform.python_version(), **code_version(),
                 device_name=torch.cuda.get_device_name() if dev.type == "cuda" else (platform.processor() or "cpu"),
                 device=str(dev), cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if dev.type == "cuda" else None,
                 dtype=str(dtype).replace("torch.", ""), config_name="tiny" if args.tiny else "Qwen3-30B-A3B",

@@ -25,6 +25,11 @@ def test_tiny_eager_vs_moe_fuse(tmp_path):
     assert (tmp_path / "train_step.md").exists()
     env_keys = {"torch", "triton", "transformers", "device_name", "layers", "tokens", "batch", "seq", "dtype"}
     assert env_keys <= data["env"].keys()
+    # The result names the sources it ran (bench/provenance.py), not only a possibly stale git describe.
+    sys.path.insert(0, str(ROOT / "bench"))
+    from provenance import source_sha
+
+    assert data["env"]["source_sha"] == source_sha() and data["env"]["git"]
     rows = {r["backend"]: r for r in data["variants"]}
     assert set(rows) == {"eager", "moe_fuse"}
     for r in rows.values():
