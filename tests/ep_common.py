@@ -26,8 +26,9 @@ def init_gloo(rank: int, world: int, store_path: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
-def spawn_ranks(worker, tmp_path: pathlib.Path, world: int, *dirs: str) -> None:
-    """Run ``worker(rank, world, store_path, *dir_paths)`` on ``world`` gloo processes (fresh paths per try).
+def spawn_ranks(worker, tmp_path: pathlib.Path, world: int, *dirs: str, extra: tuple = ()) -> None:
+    """Run ``worker(rank, world, store_path, *dir_paths, *extra)`` on ``world`` gloo processes (fresh paths
+    per try).
 
     A rank that *raises* fails the test at once. A rank killed by a signal gets one more try: in one CI run
     (of about 30 local reruns that passed) a rank of test_ep_chunked died with SIGABRT, "terminate called
@@ -37,7 +38,7 @@ def spawn_ranks(worker, tmp_path: pathlib.Path, world: int, *dirs: str) -> None:
     for attempt in (1, 2):
         root = tmp_path / f"try{attempt}"
         root.mkdir()
-        args = (world, str(root / "store"), *(str(root / d) for d in dirs))
+        args = (world, str(root / "store"), *(str(root / d) for d in dirs), *extra)
         try:
             mp.spawn(worker, args=args, nprocs=world, join=True)
             return

@@ -321,3 +321,24 @@ def _check_backend_option(rank: int, world: int, debug_dir: str):
 
 def test_ep_dispatch_in_graphs_two_ranks(tmp_path):
     spawn_ranks(_worker, tmp_path, WORLD, "debug")
+
+
+def test_other_all_to_alls_are_reported_not_skipped():
+    """With moe_fuse.ep_chunks set, a graph whose all-to-all is not TorchTitan's dispatch gets a line in the
+    report (transformers' AllToAllEP, broken into graphs at its .tolist(), is one), not silence. No
+    process group is needed: nothing runs, the graph is only read."""
+    from moe_fuse.passes import ep_torchtitan
+
+    graph = torch.fx.Graph()
+    rows = graph.placeholder("rows")
+    sent = graph.call_function(torch.ops._c10d_functional_autograd.all_to_all_single.default,
+                               (rows, [3, 1], [2, 2], "0"))
+    graph.output(graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (sent,)))
+    matches, rejections = ep_torchtitan.find(torch.fx.GraphModule(torch.nn.Module(), graph))
+    assert matches == []
+    assert [(r.reason.split(":")[0], r.node) for r in rejections] == [(sent.name, sent)]
+    assert "no TorchTitan token dispatch in this graph" in rejections[0].reason
+
+    empty = torch.fx.Graph()
+    empty.output(empty.placeholder("x"))
+    assert ep_torchtitan.find(torch.fx.GraphModule(torch.nn.Module(), empty)) == ([], [])

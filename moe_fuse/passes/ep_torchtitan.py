@@ -457,7 +457,25 @@ def find(gm: fx.GraphModule) -> tuple[list[EPMatch], list[EPRejection]]:
             matches.append(match(node))
         except NoMatch as e:
             rejections.append(EPRejection(e.reason, e.node or node))
+    if not matches and not rejections:
+        # Asked for (moe_fuse.ep_chunks) but nothing here to try: say so where the graph moves tokens.
+        other = next((n for n in gm.graph.nodes if _any_all_to_all(n)), None)
+        if other is not None:
+            rejections.append(EPRejection(
+                f"{other.name}: no TorchTitan token dispatch in this graph (the all-to-all of argsort-gathered "
+                "rows with its count exchange, grouped GEMMs and combine, captured together); left as it is",
+                other,
+            ))
     return matches, rejections
+
+
+def _any_all_to_all(node) -> bool:
+    """An all_to_all_single of any flavour: functional, functional with autograd (``all_to_all_single_autograd``)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    target = node.target
+    qualified = getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "_schema", None), "name", "")
+    return isinstance(qualified, str) and qualified.endswith("::all_to_all_single")
 
 
 def rewrite(gm: fx.GraphModule, chunks: int = 2) -> tuple[int, list[EPRejection]]:

@@ -55,6 +55,9 @@ def _function_names():
         operator.mul: "mul",
         operator.truediv: "truediv",
         operator.itruediv: "itruediv",
+        operator.imul: "imul",
+        operator.iadd: "iadd",
+        operator.isub: "isub",
         operator.floordiv: "floordiv",
         operator.ge: "ge",
         torch.ge: "ge",
@@ -180,12 +183,20 @@ def concrete(size) -> int:
 
 # Ops that write into their first argument: a region that holds the written
 # tensor must hold the write too (``inv[perm] = arange``, ``ids.clamp_()``).
-_MUTATING = {"setitem", "itruediv", "clamp_", "masked_fill_", "copy_", "mul_", "div_", "add_", "fill_", "zero_"}
+_MUTATING = {"setitem", "itruediv", "imul", "iadd", "isub", "clamp_", "masked_fill_", "copy_", "mul_", "div_", "add_",
+             "fill_", "zero_"}
 
 
 def is_mutation(node: fx.Node) -> bool:
     name = op_name(node)
-    return name in _MUTATING or (node.op == "call_method" and isinstance(node.target, str) and node.target.endswith("_"))
+    if name in _MUTATING or (node.op == "call_method" and isinstance(node.target, str) and node.target.endswith("_")):
+        return True
+    target = node.target if node.op == "call_function" else None
+    if isinstance(target, torch._ops.OpOverload):  # an aten-level op: its schema says whether it writes
+        first = target._schema.arguments[:1]
+        return bool(first) and first[0].alias_info is not None and first[0].alias_info.is_write
+    name = getattr(target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
 @dataclass
@@ -205,6 +216,33 @@ def _is_size_value(node: fx.Node) -> bool:
     return isinstance(value, (int, torch.SymInt)) or (
         isinstance(value, (tuple, list)) and all(isinstance(v, (int, torch.SymInt)) for v in value)
     )
+
+
+# Ops whose result may share memory with their input: writing into it writes into the input too.
+_VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "transpose", "permute", "movedim", "t",
+          "expand", "expand_as", "view_as", "as_strided", "narrow", "select", "diagonal", "unfold", "getitem",
+          "contiguous", "detach", "to", "type_as", "float", "double", "half", "bfloat16"}
+# Multi-output ops whose outputs are views of their input.
+_SPLITS = {"chunk", "split", "split_with_sizes", "unbind", "tensor_split"}
+
+
+def _is_collective(node: fx.Node) -> bool:
+    target = node.target if node.op == "call_function" else None
+    name = getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "_schema", None), "name", "")
+    return isinstance(name, str) and name.startswith(("_c10d_functional", "c10d::"))
+
+
+def _alias_source(node: fx.Node) -> fx.Node | None:
+    """The tensor whose memory ``node``'s result may share (a view of it, or itself: ``.to`` to its own
+    dtype), or None. An op this module does not know counts as a view of its first argument."""
+    if is_op(node, "getitem") and isinstance(meta_value(node.args[0]), (tuple, list)):
+        producer = node.args[0]  # an element of a multi-output op: topk's indices are their own tensor
+        source = producer.args[0] if is_op(producer, *_SPLITS) and producer.args else None
+    elif is_op(node, *_VIEWS) or op_name(node) is None:
+        source = node.args[0] if node.args else None
+    else:
+        source = None
+    return source if isinstance(source, fx.Node) else None
 
 
 # Factories that read only the shape, dtype and device of their first argument.
@@ -236,6 +274,8 @@ def collect_region(inputs: list[fx.Node], outputs: list[fx.Node]) -> Region:
                 raise NoMatch(f"the block also reads {node.name}, which is not one of its inputs", node)
             if node.op != "call_function" and node.op != "call_method":
                 raise NoMatch(f"unexpected {node.op} node {node.name} inside the block", node)
+            if _is_collective(node):  # verification would run it on probes, on this rank alone
+                raise NoMatch(f"{node.name} is a collective inside the block", node)
             if _is_size_value(node) and not any(a in stop for a in node.all_input_nodes):
                 free.add(node)
                 continue
@@ -248,7 +288,13 @@ def collect_region(inputs: list[fx.Node], outputs: list[fx.Node]) -> Region:
 
     for out in outputs:
         visit(out)
-    # Pull in writes into region tensors until nothing changes.
+    order = {n: i for i, n in enumerate(outputs[0].graph.nodes)}
+    end = max(order[o] for o in outputs)
+    # Pull in writes into region tensors until nothing changes. A write placed after the last output is
+    # not part of what the block computes (``dist.all_reduce(out)`` is a copy_ into it): a write into an
+    # output itself stays outside, and the rewrite points it at the replacement's output; a later write
+    # into anything else of the block (which an output may alias) refuses the match.
+    later: list[fx.Node] = []  # writes into an output after the block
     changed = True
     while changed:
         changed = False
@@ -257,12 +303,24 @@ def collect_region(inputs: list[fx.Node], outputs: list[fx.Node]) -> Region:
                 if user not in inside and is_mutation(user) and user.args and user.args[0] is node:
                     if node in stop:
                         raise NoMatch(f"{user.name} writes into the block input {node.name}", user)
+                    if order[user] > end:
+                        if node not in outputs:
+                            raise NoMatch(f"{user.name} writes into {node.name}, a tensor of the block, after the block", user)
+                        later.append(user)
+                        continue
                     inside.add(user)
                     for dep in user.all_input_nodes:
                         visit(dep)
                     changed = True
+    for write in later:
+        # The output may be a view of (or the same tensor as: ``.to`` to its own dtype) a tensor before it;
+        # the write then changes that one too, which only the block's own nodes may see.
+        node = write.args[0]
+        while (node := _alias_source(node)) is not None:
+            if node in stop or any(u not in inside for u in node.users):
+                raise NoMatch(f"{write.name} writes into the block output {write.args[0].name}, which may share "
+                              f"memory with {node.name}, read outside the block", write)
     free.update(n for n in shape_only if n not in inside and n not in stop)
-    order = {n: i for i, n in enumerate(outputs[0].graph.nodes)}
     return Region(
         inputs=list(inputs),
         outputs=list(outputs),
