@@ -250,7 +250,8 @@ _SHAPE_ONLY = {"zeros_like", "empty_like", "ones_like"}
 
 
 def collect_region(inputs: list[fx.Node], outputs: list[fx.Node]) -> Region:
-    """All nodes between ``inputs`` and ``outputs``, and the in-place writes into them.
+    """All nodes between ``inputs`` and ``outputs``, and the in-place writes into them placed before the
+    last output (a later write into an output stays outside it; any other later write refuses).
 
     The argument of a ``zeros_like``-style factory that the region does not compute otherwise is a
     free input (its values are never read). Raises NoMatch when the outputs depend on a tensor that
@@ -306,7 +307,8 @@ def collect_region(inputs: list[fx.Node], outputs: list[fx.Node]) -> Region:
                     if order[user] > end:
                         if node not in outputs:
                             raise NoMatch(f"{user.name} writes into {node.name}, a tensor of the block, after the block", user)
-                        later.append(user)
+                        if user not in later:
+                            later.append(user)
                         continue
                     inside.add(user)
                     for dep in user.all_input_nodes:
