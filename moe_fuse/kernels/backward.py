@@ -45,7 +45,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._jit import cdiv, interpreting, lazy_jit, next_power_of_2
 from .combine import combine
 from .forward import supports
-from .grouped_gemm import GemmConfig, _dot_precision, _m_tiles_bound, _tma_ok, _warp_spec_ok, default_config
+from .grouped_gemm import GemmConfig, _dot_precision, _m_tiles_bound, _tma_ok, default_config
 from .routing import Routing, route
 
 # --------------------------------------------------------------------------- kernels
@@ -349,7 +349,6 @@ def _dx_kernel(
     E_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -387,7 +386,7 @@ def _dx_kernel(
     w_row = expert * two_i  # USE_TMA; a K tail reads the next expert's rows times d_h's zero columns
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, two_i, BLOCK_K, warp_specialize=WARP_SPEC):
+    for k0 in range(0, two_i, BLOCK_K):
         if USE_TMA:
             a = dh_desc.load([a_row, k0])
             b = wgu_desc.load([w_row + k0, pid_n * BLOCK_N])
@@ -725,7 +724,6 @@ def dx_slots(dh, routing: Routing, w_gate_up, out_dtype, *, config: GemmConfig |
         E_P2=next_power_of_2(E),
         EVEN_K=two_i % cfg.block_k == 0,
         USE_TMA=use_tma,
-        WARP_SPEC=_warp_spec_ok(cfg, use_tma, dh.device),
         INTERPRET=interpreting(),
         DOT_PRECISION=_dot_precision(w_gate_up.dtype),
         num_warps=cfg.num_warps,
@@ -834,30 +832,19 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
     rw = weights.reshape(-1).contiguous()
     routing = route(ids, E)
 
-    use_grouped_mm = grouped_mm_wgrad_ok(x, dy, w_gate_up, w_down)
-    side = _side_stream(dev) if OVERLAP_WGRAD and dev.type == "cuda" and not interpreting() else None
-    main = torch.cuda.current_stream(dev) if side is not None else None
-    gathered = None
-    if use_grouped_mm:
-        token = routing.order // k  # int32 [S]: the gathered operands' rows
-        ends = routing.offsets[1:]  # each expert's last row + 1; sentinel rows follow offsets[E] and are left out
-        if side is not None and EARLY_GATHERS:
-            # The two row gathers are bandwidth-bound and need only x, dy and the routing: on the second
-            # stream they run beside the compute-bound dgrad GEMM instead of between GEMMs.
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                xs, dys = x[token], dy[token]
-                gathered = torch.cuda.Event()
-                gathered.record(side)
-            dys.record_stream(main)  # allocated on the side stream, read by dW_down on this one
-    else:
-        by_load = experts_by_rows(routing)
-
     if h is None:
         dh, aw, part = dgrad(dy, x, routing, rw, w_gate_up, w_down, k, config=cfg.dgrad)
         d_weights = d_weights_by_row(part, routing, E, weights.dtype)
     else:
         dh, aw, d_weights = dgrad_saved(dy, routing, rw, h, w_down, k, weights.dtype, config=cfg.dgrad)
+    use_grouped_mm = grouped_mm_wgrad_ok(x, dy, w_gate_up, w_down)
+    if use_grouped_mm:
+        token = routing.order // k  # int32 [S]: the gathered operands' rows
+        ends = routing.offsets[1:]  # each expert's last row + 1; sentinel rows follow offsets[E] and are left out
+    else:
+        by_load = experts_by_rows(routing)
+    side = _side_stream(dev) if OVERLAP_WGRAD and dev.type == "cuda" and not interpreting() else None
+    main = torch.cuda.current_stream(dev) if side is not None else None
     if side is not None:
         # dW_gate_up needs only d_h, x and the routing, all ready (everything above is queued on this
         # stream before the wait): it runs on a second stream next to dx, combine and dW_down. Its inputs
@@ -866,7 +853,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
         side.wait_stream(main)
     with torch.cuda.stream(side):  # None: stay on the current stream
         if use_grouped_mm:
-            d_wgu = torch._grouped_mm(dh.t(), xs if gathered is not None else x[token], offs=ends)
+            d_wgu = torch._grouped_mm(dh.t(), x[token], offs=ends)
         else:
             d_wgu = wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad,
                           experts_by_load=by_load)
@@ -876,11 +863,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
     slots = dx_slots(dh, routing, w_gate_up, torch.promote_types(x.dtype, w_gate_up.dtype), config=cfg.dx)
     dx = combine(slots, ids, E, x.dtype)
     if use_grouped_mm:
-        if gathered is not None:
-            main.wait_event(gathered)
-        else:
-            dys = dy[token]
-        d_wd = torch._grouped_mm(dys.t(), aw, offs=ends)
+        d_wd = torch._grouped_mm(dy[token].t(), aw, offs=ends)
     else:
         d_wd = wgrad(dy, True, aw, False, routing, E, k, w_down.dtype, config=cfg.wgrad_down or cfg.wgrad,
                      experts_by_load=by_load)
@@ -891,9 +874,6 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
 
 # dW_gate_up on a second CUDA stream, concurrent with dx and dW_down (bench/KERNELS_NOTES.md, backward).
 OVERLAP_WGRAD = True
-# With OVERLAP_WGRAD and the grouped_mm weight gradients: gather the x and dy rows on the second stream at the
-# start of the backward, beside the dgrad GEMM (bench/KERNELS_NOTES.md).
-EARLY_GATHERS = True
 # The weight gradients through torch._grouped_mm (CUTLASS) where it applies: on the H200 it ran 1.2-1.4x
 # faster than the Triton wgrad with bitwise equal results (bench/probe_wgrad_grouped_mm_gpu.py).
 GROUPED_MM_WGRAD = True

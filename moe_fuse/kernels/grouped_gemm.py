@@ -45,10 +45,6 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     use_tma: bool = False  # weights through tensor descriptors (needs contiguous weights, 16-byte rows)
-    # Triton's warp specialisation of the K loop (a producer warp issues the loads), sm90 only, with use_tma.
-    # Only for kernels whose loop loads through descriptors alone (down, dx): with pointer loads, or with
-    # 4 warps, it fails to compile on sm90 (triton 3.6).
-    warp_spec: bool = False
 
 
 # Small blocks keep the interpreter fast; the numbers are not a performance choice.
@@ -184,7 +180,6 @@ def _down_kernel(
     E_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -223,7 +218,7 @@ def _down_kernel(
     w_row = expert * H + pid_n * BLOCK_N  # USE_TMA: row of the [E * H, I] view
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, I, BLOCK_K, warp_specialize=WARP_SPEC):
+    for k0 in range(0, I, BLOCK_K):
         if USE_TMA:
             # Past I (K tail) and past S the descriptors read zeros.
             a = a_desc.load([a_row, k0])
@@ -284,22 +279,7 @@ def default_config(kind: str, S: int, E: int, N: int, K: int, dtype: torch.dtype
     # 128x256 with 4 stages when its K loop (I) is long, 3 when short.
     if kind == "gate_up":
         return GemmConfig(128, 128, bk, 8, 8, 3, use_tma=wide)
-    # Warp-specialised K loop (bench/probe_byproducts_gpu.py, 30B): down 0.834 -> 0.789 ms at T=16384,
-    # 0.244 -> 0.243 at T=4096; dx (same family) 1.411 -> 1.409 and 0.401 -> 0.374 ms; bitwise equal results.
-    return GemmConfig(128, 256, bk, 8, 8, 4 if K >= 1024 else 3, use_tma=wide, warp_spec=wide)
-
-
-_SM90: dict = {}
-
-
-def _warp_spec_ok(cfg: GemmConfig, use_tma: bool, device: torch.device) -> bool:
-    """The config asks for it, its loop loads through descriptors, 8 warps, and the GPU is sm90 (measured there)."""
-    if not (cfg.warp_spec and use_tma and cfg.num_warps == 8) or interpreting() or device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM90:
-        _SM90[index] = torch.cuda.get_device_capability(index)[0] == 9
-    return _SM90[index]
+    return GemmConfig(128, 256, bk, 8, 8, 4 if K >= 1024 else 3, use_tma=wide)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -417,7 +397,6 @@ def down(
         E_P2=next_power_of_2(E),
         EVEN_K=I % cfg.block_k == 0,
         USE_TMA=use_tma,
-        WARP_SPEC=_warp_spec_ok(cfg, use_tma, a.device),
         INTERPRET=interpreting(),
         DOT_PRECISION=_dot_precision(w_down.dtype),
         num_warps=cfg.num_warps,
