@@ -4,8 +4,9 @@
     python bench/layer_bench.py [--out DIR] [--shapes 30b,235b] [--tokens 4096,16384]
                                 [--backward] [--quick] [--cpu-smoke] [--variants a,b]
 
-Variants: hf_grouped_mm (eager reference), hf_inductor (the peer), moe_fuse, liger (if
-importable), grouped_gemms_only (lower bound). Each is checked against eager on fresh random
+Variants: hf_grouped_mm (eager reference), hf_inductor (the peer), moe_fuse, moe_fuse_triton (the
+same backend with its all-Triton GEMMs: kernels.grouped_mm_path off), liger (if importable),
+grouped_gemms_only (lower bound). Each is checked against eager on fresh random
 inputs before it is timed; an exception becomes an error row. Columns: bench/README.md.
 """
 import argparse, copy, json, math, os, platform, signal, statistics, sys, time, traceback, types
@@ -27,7 +28,7 @@ SHAPES = {  # name: (hidden H, moe_intermediate I, experts E, top-k)
     "235b": (4096, 1536, 128, 8),   # Qwen3-235B-A22B
     "tiny": (64, 32, 8, 2),         # --cpu-smoke
 }
-VARIANTS = ["hf_grouped_mm", "hf_inductor", "moe_fuse", "liger", "grouped_gemms_only"]
+VARIANTS = ["hf_grouped_mm", "hf_inductor", "moe_fuse", "moe_fuse_triton", "liger", "grouped_gemms_only"]
 PEER = "hf_inductor"
 TOL = 2e-2
 
@@ -128,10 +129,11 @@ def liger_block(block):
 
 def make_variant(name, block, dev):
     """-> (callable x -> out, compiled?)"""
-    if name == "moe_fuse":
+    if name.startswith("moe_fuse"):
         print(f"    moe_fuse backend: {ensure_moe_fuse_backend()}")
-    if name in ("hf_inductor", "moe_fuse"):  # static shapes: one graph per case, no recompiles
-        return torch.compile(block, backend=name.replace("hf_", ""), dynamic=False), True
+        return torch.compile(block, backend="moe_fuse", dynamic=False), True
+    if name == "hf_inductor":  # static shapes: one graph per case, no recompiles
+        return torch.compile(block, backend="inductor", dynamic=False), True
     return {"hf_grouped_mm": lambda: block, "liger": lambda: liger_block(block)}[name](), False
 
 
@@ -271,6 +273,14 @@ def run_case(shape, T, dev, dtype, args, rows):
         try:
             if name == "grouped_gemms_only":
                 run_gemms(block, T, dev, dtype, args, rf, rb)
+            elif name == "moe_fuse_triton":
+                from moe_fuse.kernels import grouped_mm_path
+
+                grouped_mm_path.ENABLED = False  # read at every call of the experts op, forward and backward
+                try:
+                    run_block_variant(name, block, T, dev, dtype, args, rf, rb)
+                finally:
+                    grouped_mm_path.ENABLED = True
             else:
                 run_block_variant(name, block, T, dev, dtype, args, rf, rb)
         except Exception as e:

@@ -122,6 +122,8 @@ def test_routing_metadata(T, k, E, mode):
         assert bool((seg[1:] > seg[:-1]).all())
     # Sentinel rows (ids >= E) last, in row order.
     assert torch.equal(order[routed:], torch.nonzero(flat >= E).flatten())
+    # pos is the inverse permutation.
+    assert torch.equal(r.pos.cpu().long()[order], torch.arange(flat.numel()))
 
 
 def test_routing_int32_ids():

@@ -1,10 +1,15 @@
-"""Triton kernels of the experts block (forward).
+"""Triton kernels of the experts block.
+
+Where grouped_mm_path applies (CUDA sm90+, bf16), experts_backward and the forward that keeps h for it
+run every GEMM through torch._grouped_mm (CUTLASS) with Triton kernels around it; the forward without h
+(inference, activation-checkpointed layers) and everything else run the all-Triton kernels, whose
+gate_up GEMM never writes h to memory.
 
 Public:
     experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False) -> y  (or (y, h, routing))
     experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None) -> (dx, d_weights, d_w_gate_up, d_w_down)
     supports(x, ids, weights, w_gate_up, w_down) -> bool
-    route(ids, num_experts) -> Routing(order, counts, offsets)
+    route(ids, num_experts) -> Routing(order, counts, offsets, pos)
     softmax_topk(logits, top_k, renorm, weights_dtype) -> (weights, ids)
     softmax_topk_backward(d_logits | None, d_weights, logits, ids, renorm) -> d_logits
 
@@ -18,8 +23,11 @@ are jitted at first launch (see _jit.py).
 
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False):
     """See forward.experts_forward: same result as reference.experts_forward."""
+    from . import grouped_mm_path
     from .forward import experts_forward as impl
 
+    if save_h and ids.numel() and grouped_mm_path.applies(x, w_gate_up, w_down):
+        impl = grouped_mm_path.experts_forward
     return impl(x, ids, weights, w_gate_up, w_down, save_h=save_h)
 
 
@@ -28,8 +36,11 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None):
 
     h: the pre-activation ``experts_forward(save_h=True)`` kept, or None to recompute it.
     """
+    from . import grouped_mm_path
     from .backward import experts_backward as impl
 
+    if ids.numel() and grouped_mm_path.applies(x, w_gate_up, w_down, dy):
+        impl = grouped_mm_path.experts_backward
     return impl(dy, x, ids, weights, w_gate_up, w_down, h)
 
 

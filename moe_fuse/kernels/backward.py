@@ -20,11 +20,11 @@ A few GEMM launches and small passes, no atomics (bitwise repeatable), no host s
 3. the weight gradients, K = the expert's rows (zero rows: zeros):
      dW_down[e]    = dy[tok]^T @ aw     [H, I]
      dW_gate_up[e] = d_h^T @ x[tok]     [2I, H]
-   on CUDA sm90+ in bf16 through ``torch._grouped_mm`` (CUTLASS) on gathered copies of x and dy:
-   1.2-1.4x faster than ours on the H200, bitwise the same result (the Triton wgrad's gathered
-   operand loads keep it near 55% of peak: bench/KERNELS_NOTES.md); elsewhere ``_wgrad_kernel``
-   twice, one program per (expert, M-tile, N-tile), experts with the most rows first.
-   dW_gate_up runs on a second stream beside dx and dW_down.
+   ``_wgrad_kernel`` twice, one program per (expert, M-tile, N-tile), experts with the most rows
+   first. dW_gate_up runs on a second stream beside dx and dW_down.
+
+On CUDA sm90+ in bf16, ``kernels.experts_backward`` runs grouped_mm_path.py instead: every GEMM
+through ``torch._grouped_mm`` (CUTLASS) on gathered rows, with this module's dSwiGLU pass.
 
 dx needs d_h, which needs the whole dgrad row block, so steps 1 and 2 cannot share a program:
 d_h makes one round trip through memory ([S, 2I], weights' dtype), as in any unfused backward.
@@ -622,14 +622,23 @@ def dgrad_saved(dy, routing: Routing, rw, h, w_down, top_k: int, weights_dtype, 
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    dh = torch.empty(S, 2 * I, dtype=w_down.dtype, device=dy.device)
-    aw = torch.empty(S, I, dtype=w_down.dtype, device=dy.device)
-    d_weights = torch.empty(S, dtype=weights_dtype, device=dy.device)
+    return dswiglu(g, h, rw, routing, weights_dtype)
+
+
+def dswiglu(g, h, rw, routing: Routing, weights_dtype):
+    """(d_h [S, 2I], aw [S, I], d_weights [S] by row) from g = dy[tok] @ W_down[e] and the saved h, sorted order.
+
+    Rows past offsets[E] (sentinels): d_weights 0, d_h and aw not written.
+    """
+    S, I = g.shape
+    dh = torch.empty(S, 2 * I, dtype=g.dtype, device=g.device)
+    aw = torch.empty(S, I, dtype=g.dtype, device=g.device)
+    d_weights = torch.empty(S, dtype=weights_dtype, device=g.device)
     block_r = 4 if interpreting() else 16
     block_i = 32 if interpreting() else 128
     _dswiglu_kernel[(cdiv(S, block_r),)](
-        g, h, rw, routing.order, routing.offsets, dh, aw, d_weights, S, I, E, BLOCK_R=block_r, BLOCK_I=block_i,
-        num_warps=4,
+        g, h, rw, routing.order, routing.offsets, dh, aw, d_weights, S, I, routing.counts.numel(),
+        BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
     )
     return dh, aw, d_weights
 
@@ -820,11 +829,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
             torch.zeros(w_gate_up.shape, dtype=w_gate_up.dtype, device=dev),
             torch.zeros(w_down.shape, dtype=w_down.dtype, device=dev),
         )
-    if h is not None and (tuple(h.shape) != (S, two_i) or h.dtype != w_gate_up.dtype or not h.is_contiguous()):
-        raise ValueError(
-            f"experts_backward: saved h must be a contiguous [S={S}, 2I={two_i}] {w_gate_up.dtype} tensor, "
-            f"got {tuple(h.shape)} {h.dtype}"
-        )
+    check_saved_h(h, S, w_gate_up)
     cfg = config or default_backward_config(S, E, H, I, w_gate_up.dtype, saved_h=h is not None)
     # The gradient of a sum arrives with stride 0 (and the kernels index dy as [T, H] rows).
     dy = dy.contiguous()
@@ -837,13 +842,8 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
         d_weights = d_weights_by_row(part, routing, E, weights.dtype)
     else:
         dh, aw, d_weights = dgrad_saved(dy, routing, rw, h, w_down, k, weights.dtype, config=cfg.dgrad)
-    use_grouped_mm = grouped_mm_wgrad_ok(x, dy, w_gate_up, w_down)
-    if use_grouped_mm:
-        token = routing.order // k  # int32 [S]: the gathered operands' rows
-        ends = routing.offsets[1:]  # each expert's last row + 1; sentinel rows follow offsets[E] and are left out
-    else:
-        by_load = experts_by_rows(routing)
-    side = _side_stream(dev) if OVERLAP_WGRAD and dev.type == "cuda" and not interpreting() else None
+    by_load = experts_by_rows(routing)
+    side = side_stream(dev) if OVERLAP_WGRAD and dev.type == "cuda" and not interpreting() else None
     main = torch.cuda.current_stream(dev) if side is not None else None
     if side is not None:
         # dW_gate_up needs only d_h, x and the routing, all ready (everything above is queued on this
@@ -852,50 +852,35 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
         # or reused while it still runs.
         side.wait_stream(main)
     with torch.cuda.stream(side):  # None: stay on the current stream
-        if use_grouped_mm:
-            d_wgu = torch._grouped_mm(dh.t(), x[token], offs=ends)
-        else:
-            d_wgu = wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad,
-                          experts_by_load=by_load)
+        d_wgu = wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad, experts_by_load=by_load)
     if side is not None:
         d_wgu.record_stream(main)  # allocated on the side stream, used (and freed) on this one
     # Slots in the GEMM dtype (fp32 if x is fp32): half the traffic of fp32 slots; the sum over k is fp32.
     slots = dx_slots(dh, routing, w_gate_up, torch.promote_types(x.dtype, w_gate_up.dtype), config=cfg.dx)
     dx = combine(slots, ids, E, x.dtype)
-    if use_grouped_mm:
-        d_wd = torch._grouped_mm(dy[token].t(), aw, offs=ends)
-    else:
-        d_wd = wgrad(dy, True, aw, False, routing, E, k, w_down.dtype, config=cfg.wgrad_down or cfg.wgrad,
-                     experts_by_load=by_load)
+    d_wd = wgrad(dy, True, aw, False, routing, E, k, w_down.dtype, config=cfg.wgrad_down or cfg.wgrad,
+                 experts_by_load=by_load)
     if side is not None:
         main.wait_stream(side)
     return dx, d_weights.view(T, k), d_wgu, d_wd
 
 
-# dW_gate_up on a second CUDA stream, concurrent with dx and dW_down (bench/KERNELS_NOTES.md, backward).
+def check_saved_h(h, S: int, w_gate_up) -> None:
+    two_i = w_gate_up.shape[1]
+    if h is not None and (tuple(h.shape) != (S, two_i) or h.dtype != w_gate_up.dtype or not h.is_contiguous()):
+        raise ValueError(
+            f"experts_backward: saved h must be a contiguous [S={S}, 2I={two_i}] {w_gate_up.dtype} tensor, "
+            f"got {tuple(h.shape)} {h.dtype}"
+        )
+
+
+# dW_gate_up on a second CUDA stream, concurrent with dx and dW_down (bench/KERNELS_NOTES.md, backward);
+# grouped_mm_path.py follows the same switch.
 OVERLAP_WGRAD = True
-# The weight gradients through torch._grouped_mm (CUTLASS) where it applies: on the H200 it ran 1.2-1.4x
-# faster than the Triton wgrad with bitwise equal results (bench/probe_wgrad_grouped_mm_gpu.py).
-GROUPED_MM_WGRAD = True
 _SIDE_STREAMS: dict = {}
-_CAPABILITY: dict = {}
 
 
-def grouped_mm_wgrad_ok(x, dy, w_gate_up, w_down) -> bool:
-    """torch._grouped_mm computes both weight gradients here: CUDA sm90+, everything bf16, 16-byte rows."""
-    if not (GROUPED_MM_WGRAD and x.is_cuda and hasattr(torch, "_grouped_mm") and not interpreting()):
-        return False
-    if not all(t.dtype == torch.bfloat16 for t in (x, dy, w_gate_up, w_down)):
-        return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    major = _CAPABILITY.get(index)
-    if major is None:
-        major = _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
-    H, I = w_down.shape[1], w_down.shape[2]
-    return major >= 9 and H % 8 == 0 and I % 8 == 0
-
-
-def _side_stream(device: torch.device):
+def side_stream(device: torch.device):
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _SIDE_STREAMS.get(index)
     if stream is None:

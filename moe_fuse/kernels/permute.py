@@ -1,9 +1,11 @@
-"""Rows in expert order back to tokens, for the expert-parallel path (moe_fuse/parallel).
+"""Rows in expert order back to tokens: the expert-parallel path (moe_fuse/parallel), where the routed
+rows travel between ranks sorted by expert, and the grouped_mm path (grouped_mm_path.py).
 
-There the routed rows travel between ranks sorted by expert: row p of ``rows`` [S, H] is slot
-``order[p]`` (= token * k + j), and ``pos`` is the inverse permutation (pos[order[p]] = p).
+Row p of ``rows`` [S, H] is slot ``order[p]`` (= token * k + j), and ``pos`` is the inverse
+permutation (pos[order[p]] = p).
 
     combine_sorted(rows, pos, weights)  y[t] = sum_j weights[t, j] * rows[pos[t*k + j]]   (weights None: 1)
+        with ids / num_experts: slots whose id >= num_experts (sentinels) count as zero
     combine_sorted_backward(dy, rows, order, weights, k)
         d_rows[p]        = weights[slot] * dy[slot // k]        slot = order[p]
         d_weights[slot]  = sum_h dy[slot // k, h] * rows[p, h]
@@ -30,13 +32,16 @@ BLOCK_H = 256
 @lazy_jit
 def _combine_sorted_kernel(
     rows_ptr,  # [S, H] contiguous, expert order
-    pos_ptr,  # [T * k] int64: sorted position of each slot
+    pos_ptr,  # [T * k] int32 or int64: sorted position of each slot
     w_ptr,  # [T * k] routing weights (WEIGHTED)
+    ids_ptr,  # [T * k] expert ids (SENTINELS)
     y_ptr,  # [T, H] out
     T,
     H,
+    E,
     TOP_K: tl.constexpr,
     WEIGHTED: tl.constexpr,
+    SENTINELS: tl.constexpr,  # slots with ids >= E are skipped (their rows were never written)
     PROD_DTYPE: tl.constexpr,  # the dtype the torch spelling rounds each product to
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -48,8 +53,11 @@ def _combine_sorted_kernel(
     slot = t.to(tl.int64) * TOP_K
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        p = tl.load(pos_ptr + slot + j, mask=t_ok, other=0)
-        r = tl.load(rows_ptr + p[:, None] * H + h[None, :], mask=mask, other=0.0).to(tl.float32)
+        p = tl.load(pos_ptr + slot + j, mask=t_ok, other=0).to(tl.int64)
+        live = mask
+        if SENTINELS:
+            live = live & (tl.load(ids_ptr + slot + j, mask=t_ok, other=E) < E)[:, None]
+        r = tl.load(rows_ptr + p[:, None] * H + h[None, :], mask=live, other=0.0).to(tl.float32)
         if WEIGHTED:
             w = tl.load(w_ptr + slot + j, mask=t_ok, other=0.0).to(tl.float32)
             r = (r * w[:, None]).to(PROD_DTYPE).to(tl.float32)
@@ -101,13 +109,19 @@ def _prod_dtype(rows, weights):
     return rows.dtype if weights is None else torch.promote_types(rows.dtype, weights.dtype)
 
 
-def combine_sorted(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None, out_dtype) -> torch.Tensor:
-    """y [T, H] = sum_j weights[t, j] * rows[pos[t*k + j]]; pos [T, k] (int64), weights [T, k] or None."""
+def combine_sorted(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None, out_dtype, *,
+                   ids: torch.Tensor | None = None, num_experts: int = 0) -> torch.Tensor:
+    """y [T, H] = sum_j weights[t, j] * rows[pos[t*k + j]]; pos [T, k] (int32 or int64), weights [T, k] or None.
+
+    ids [T, k]: slots with ids >= num_experts are left out (their rows may hold anything).
+    """
     T, k = pos.shape
     H = rows.shape[1]
     rows = rows.contiguous()
     if not _use_kernels(rows):
-        picked = rows.index_select(0, pos.reshape(-1)).view(T, k, H)
+        picked = rows.index_select(0, pos.reshape(-1).long()).view(T, k, H)
+        if ids is not None:
+            picked = torch.where((ids < num_experts).unsqueeze(-1), picked, picked.new_zeros(()))
         if weights is not None:
             picked = picked * weights.unsqueeze(-1)
         return picked.float().sum(dim=1).to(out_dtype)
@@ -116,9 +130,10 @@ def combine_sorted(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor 
         return y
     prod = getattr(tl, str(_prod_dtype(rows, weights)).removeprefix("torch."))
     w = weights.contiguous() if weights is not None else pos  # not read unless WEIGHTED
+    live = ids.contiguous() if ids is not None else pos  # not read unless SENTINELS
     _combine_sorted_kernel[(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))](
-        rows, pos.contiguous(), w, y, T, H, TOP_K=k, WEIGHTED=weights is not None, PROD_DTYPE=prod,
-        BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, num_warps=4,
+        rows, pos.contiguous(), w, live, y, T, H, num_experts, TOP_K=k, WEIGHTED=weights is not None,
+        SENTINELS=ids is not None, PROD_DTYPE=prod, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, num_warps=4,
     )
     return y
 

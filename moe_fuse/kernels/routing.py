@@ -43,6 +43,7 @@ class Routing(NamedTuple):
     order: torch.Tensor  # [S] int32: sorted position -> row, stable within each expert; sentinel rows last
     counts: torch.Tensor  # [E] int32: rows routed to each expert
     offsets: torch.Tensor  # [E + 1] int32: first sorted position of each expert, then the number of routed rows
+    pos: torch.Tensor  # [S] int32: row -> sorted position (the inverse of order)
 
 
 @lazy_jit
@@ -92,6 +93,7 @@ def _scatter_kernel(
     counts_ptr,  # [E + 1] int32
     order_ptr,  # [S] int32 out
     offsets_ptr,  # [E + 1] int32 out
+    pos_ptr,  # [S] int32 out: the inverse of order
     S,
     E,
     num_blocks,
@@ -120,11 +122,11 @@ def _scatter_kernel(
     # Stable rank inside the block: earlier rows (j < i) with the same expert.
     earlier = (expert[None, :] == expert[:, None]) & (lane[None, :] < lane[:, None])
     rank = tl.sum(earlier.to(tl.int32), axis=1)
-    if COUNT_HERE:
-        tl.store(order_ptr + start_of_row + rank, rows, mask=valid)
-    else:
-        prefix = tl.load(block_prefix_ptr + expert.to(tl.int64) * num_blocks + pid, mask=valid, other=0)
-        tl.store(order_ptr + start_of_row + prefix + rank, rows, mask=valid)
+    position = start_of_row + rank
+    if not COUNT_HERE:
+        position += tl.load(block_prefix_ptr + expert.to(tl.int64) * num_blocks + pid, mask=valid, other=0)
+    tl.store(order_ptr + position, rows, mask=valid)
+    tl.store(pos_ptr + rows, position, mask=valid)
 
 
 def route(ids: torch.Tensor, num_experts: int) -> Routing:
@@ -139,21 +141,23 @@ def route(ids: torch.Tensor, num_experts: int) -> Routing:
     order = torch.empty(S, dtype=torch.int32, device=dev)
     counts = torch.empty(E + 1, dtype=torch.int32, device=dev)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    pos = torch.empty(S, dtype=torch.int32, device=dev)
     if S == 0:
         counts.zero_()
         offsets.zero_()
-        return Routing(order, counts[:E], offsets)
+        return Routing(order, counts[:E], offsets, pos)
     if num_blocks == 1:
         # Decode-sized batches: one launch instead of three (launches dominate there).
         _scatter_kernel[(1,)](
-            flat, counts, counts, order, offsets, S, E, 1, BLOCK=ROUTE_BLOCK, E_P2=E_P2, COUNT_HERE=True
+            flat, counts, counts, order, offsets, pos, S, E, 1, BLOCK=ROUTE_BLOCK, E_P2=E_P2, COUNT_HERE=True
         )
-        return Routing(order, counts[:E], offsets)
+        return Routing(order, counts[:E], offsets, pos)
     block_counts = torch.empty(E + 1, num_blocks, dtype=torch.int32, device=dev)
     _count_kernel[(num_blocks,)](flat, block_counts, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2)
     chunk = min(SCAN_CHUNK, next_power_of_2(num_blocks))
     _scan_kernel[(E + 1,)](block_counts, counts, num_blocks, CHUNK=chunk)
     _scatter_kernel[(num_blocks,)](
-        flat, block_counts, counts, order, offsets, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2, COUNT_HERE=False
+        flat, block_counts, counts, order, offsets, pos, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2,
+        COUNT_HERE=False,
     )
-    return Routing(order, counts[:E], offsets)
+    return Routing(order, counts[:E], offsets, pos)

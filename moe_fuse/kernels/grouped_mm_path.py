@@ -1,0 +1,145 @@
+"""The experts block with every GEMM through ``torch._grouped_mm`` and Triton kernels around them.
+
+Where it applies (CUDA sm90+, everything bf16, 16-byte rows), CUTLASS's grouped GEMMs on contiguous,
+expert-sorted operands run at ~640 TFLOP/s on an H200, against 500-600 for our Triton GEMMs that
+gather their rows inside the A-load (bench/KERNELS_NOTES.md). The price is one gathered copy of x
+(and, in the backward, of x and dy), [S, H] each, and h [S, 2I] in memory. The Triton kernels keep
+what a GEMM library does not do: the routing, SwiGLU, the dSwiGLU pass with the routing-weight
+gradient, and fixed-order combines. ``kernels.experts_forward`` takes this path only when h is kept
+for the backward anyway (``save_h``); without, the fused Triton forward never writes h and is faster
+on the 30B layer.
+
+    forward   xs = x[tok]                          [S, H]  (tok = order // k: rows sorted by expert)
+              h  = xs @ W_gate_up[e]^T             [S, 2I] (gate | up; saved for the backward)
+              a  = silu(gate) * up                 [S, I]
+              o  = a @ W_down[e]^T                 [S, H]
+              y[t] = sum_j w[t, j] * o[pos[t, j]]  (fp32, j in order; sentinel slots skipped)
+    backward  dys = dy[tok];  g = dys @ W_down[e]  [S, I]
+              d_h, aw, d_weights = the dSwiGLU pass of backward.py (aw = w * a)
+              dW_gate_up[e] = d_h[e]^T xs[e];  dW_down[e] = dys[e]^T aw[e]
+              o' = d_h @ W_gate_up[e]              [S, H];  dx[t] = sum_j o'[pos[t, j]]
+
+Groups are ``offsets[1:]``: rows past offsets[E] (expert-parallel sentinels) are in no group, so
+``_grouped_mm`` leaves them unwritten and no later step reads them. An expert without rows gets
+zero weight gradients. Every step is deterministic (no atomics, no split-K).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from ._jit import cdiv, interpreting, lazy_jit
+from . import backward
+from .backward import check_saved_h, dswiglu, side_stream
+from .permute import combine_sorted
+from .routing import Routing, route
+
+# Off: the all-Triton GEMMs (kernels/grouped_gemm.py, kernels/backward.py) wherever this path would apply.
+ENABLED = True
+_CAPABILITY: dict = {}
+
+
+def applies(x, w_gate_up, w_down, *others) -> bool:
+    """CUDA sm90+, x, the weights and ``others`` all bf16, H and I multiples of 8 (16-byte rows)."""
+    if not (ENABLED and x.is_cuda and hasattr(torch, "_grouped_mm") and not interpreting()):
+        return False
+    if not all(t.dtype == torch.bfloat16 for t in (x, w_gate_up, w_down, *others)):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    major = _CAPABILITY.get(index)
+    if major is None:
+        major = _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
+    H, I = w_down.shape[1], w_down.shape[2]
+    return major >= 9 and H % 8 == 0 and I % 8 == 0
+
+
+@lazy_jit
+def _swiglu_kernel(
+    h_ptr,  # [S, 2I] sorted order: gate | up
+    a_ptr,  # [S, I] out
+    offsets_ptr,  # [E + 1] int32; offsets[E] = routed rows
+    S,
+    I,
+    E,
+    BLOCK_R: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """a = silu(gate) * up in fp32, rounded once; rows past offsets[E] are not written."""
+    p = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    routed = (p < S) & (p < tl.load(offsets_ptr + E))
+    p64 = p.to(tl.int64)[:, None]
+    for i0 in range(0, I, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        mask = routed[:, None] & (i < I)[None, :]
+        gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(a_ptr + p64 * I + i[None, :], (gate * tl.sigmoid(gate) * up).to(a_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu(h: torch.Tensor, routing: Routing) -> torch.Tensor:
+    S, two_i = h.shape
+    I = two_i // 2
+    E = routing.counts.numel()
+    a = torch.empty(S, I, dtype=h.dtype, device=h.device)
+    block_r, block_i = (4, 32) if interpreting() else (16, 128)
+    _swiglu_kernel[(cdiv(S, block_r),)](h, a, routing.offsets, S, I, E, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4)
+    return a
+
+
+def _gate_up(xs, w_gate_up, ends):
+    return torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=ends)
+
+
+def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False):
+    """Same contract as ``forward.experts_forward`` (y, or (y, h, routing) with ``save_h``); needs S > 0."""
+    T, k = ids.shape
+    E = w_gate_up.shape[0]
+    routing = route(ids, E)
+    ends = routing.offsets[1:]
+    xs = x[routing.order // k]
+    h = _gate_up(xs, w_gate_up, ends)
+    del xs
+    o = torch._grouped_mm(swiglu(h, routing), w_down.transpose(1, 2), offs=ends)
+    y = combine_sorted(o, routing.pos.view(T, k), weights, x.dtype, ids=ids, num_experts=E)
+    return (y, h, routing) if save_h else y
+
+
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None):
+    """Same contract as ``backward.experts_backward``; needs S > 0. h None: recomputed (one more GEMM)."""
+    T, k = ids.shape
+    E = w_gate_up.shape[0]
+    check_saved_h(h, T * k, w_gate_up)
+    dy = dy.contiguous()  # the gradient of a sum arrives with stride 0
+    ids = ids.contiguous()
+    routing = route(ids, E)
+    ends = routing.offsets[1:]
+    token = routing.order // k
+    if h is None:
+        h = _gate_up(x[token], w_gate_up, ends)
+    dys = dy[token]
+    g = torch._grouped_mm(dys, w_down, offs=ends)  # [S, I]
+    dh, aw, d_weights = dswiglu(g, h, weights.reshape(-1).contiguous(), routing, weights.dtype)
+    del g
+    dev = x.device
+    side = side_stream(dev) if backward.OVERLAP_WGRAD and dev.type == "cuda" else None
+    main = torch.cuda.current_stream(dev) if side is not None else None
+    if side is not None:
+        # dW_gate_up (and its x gather) needs only d_h, x and the routing, all queued above: it runs on a
+        # second stream beside dx and dW_down. This stream waits for it before returning, so none of
+        # its inputs is freed or reused while it runs.
+        side.wait_stream(main)
+    with torch.cuda.stream(side):  # None: stay on the current stream
+        d_wgu = torch._grouped_mm(dh.t(), x[token], offs=ends)
+    if side is not None:
+        d_wgu.record_stream(main)  # allocated on the side stream, used (and freed) on this one
+    o = torch._grouped_mm(dh, w_gate_up, offs=ends)  # [S, H]
+    dx = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
+    del o
+    d_wd = torch._grouped_mm(dys.t(), aw, offs=ends)
+    if side is not None:
+        main.wait_stream(side)
+    return dx, d_weights.view(T, k), d_wgu, d_wd
+
+
+__all__ = ["ENABLED", "applies", "experts_backward", "experts_forward", "swiglu"]

@@ -1,0 +1,127 @@
+"""kernels/grouped_mm_path.py (every GEMM through torch._grouped_mm) against the float64 reference.
+
+On CPU, torch._grouped_mm is torch's fallback and the Triton kernels around it (SwiGLU, dSwiGLU,
+combines) run in the interpreter; on the GPU the same functions run CUTLASS. ``applies`` is False on
+CPU, so the path's functions are called directly. Rows outside every group (expert-parallel
+sentinels) come back from _grouped_mm as NaN here: nothing may read them.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+from test_kernels_backward import NAMES, ref64 as ref64_backward  # noqa: E402
+from test_kernels_forward import DEVICE, make_case, poisoned_buffers, ref64, rel_err  # noqa: E402
+
+from moe_fuse import kernels  # noqa: E402
+from moe_fuse.kernels import grouped_mm_path  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+CASES = {
+    # name: (T, k, E, H, I, dtype, mode)
+    "uneven_fp32": (48, 4, 6, 40, 24, torch.float32, "skewed"),  # heavy experts, some empty
+    "uneven_bf16": (48, 4, 6, 40, 24, torch.bfloat16, "skewed"),
+    "ep_sentinels_fp32": (30, 3, 5, 40, 24, torch.float32, "sentinels"),
+    "ep_sentinels_bf16": (30, 3, 5, 48, 32, torch.bfloat16, "sentinels"),
+    "k1": (33, 1, 3, 40, 24, torch.float32, "uniform"),
+    "all_on_one_expert": (40, 2, 5, 32, 48, torch.float32, "one"),
+}
+
+
+@pytest.fixture(autouse=True)
+def nan_outside_groups(monkeypatch):
+    """_grouped_mm with the rows (or, for weight gradients, nothing) outside every group set to NaN."""
+    real = torch._grouped_mm
+
+    def poisoned(a, b, offs=None, **kw):
+        out = real(a, b, offs=offs, **kw)
+        if out.dim() == 2:  # [S, N]: rows past the last group end were never computed
+            out[int(offs[-1]):] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", poisoned)
+
+
+def check(got, want, like, tol, names):
+    for name, g, r, ref_like in zip(names, got, want, like):
+        assert g.shape == ref_like.shape and g.dtype == ref_like.dtype, name
+        assert bool(torch.isfinite(g).all()), f"{name}: a row outside every group was read"
+        err = rel_err(g.cpu(), r)
+        assert err < tol, f"{name}: rel. error {err:.2e} >= {tol:.0e}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_and_backward_match_reference(name, monkeypatch):
+    T, k, E, H, I, dtype, mode = CASES[name]
+    args = make_case(T, k, E, H, I, dtype, mode, seed=len(name))
+    x, ids, weights, w_gate_up, w_down = args
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEVICE)
+    with poisoned_buffers(monkeypatch):
+        y, h, routing = grouped_mm_path.experts_forward(*args, save_h=True)
+    check([y], [ref64(*args)], [x], TOL[dtype], ["y"])
+    want = ref64_backward(dy, *args)
+    like = (x, weights, w_gate_up, w_down)
+    with poisoned_buffers(monkeypatch):
+        saved = grouped_mm_path.experts_backward(dy, *args, h)
+        recomputed = grouped_mm_path.experts_backward(dy, *args)
+    check(saved, want, like, TOL[dtype], NAMES)
+    check(recomputed, want, like, TOL[dtype], NAMES)
+    for a, b in zip(saved, recomputed):  # the recomputed h is the saved one
+        assert torch.equal(a, b)
+
+
+def test_matches_the_triton_kernels_path():
+    """Same inputs through both implementations: equal within the bf16 rounding of the stored h."""
+    args = make_case(40, 4, 6, 48, 32, torch.float32, "skewed", seed=3)
+    dy = torch.randn(40, 48, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    y, h, _ = grouped_mm_path.experts_forward(*args, save_h=True)
+    y_t, h_t, _ = kernels.experts_forward(*args, save_h=True)
+    assert rel_err(y, y_t) < 1e-5 and rel_err(h, h_t) < 1e-5
+    for a, b in zip(grouped_mm_path.experts_backward(dy, *args, h), kernels.experts_backward(dy, *args, h_t)):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_applies_only_to_cuda_bf16():
+    x, ids, weights, w_gate_up, w_down = make_case(8, 2, 4, 16, 8, torch.bfloat16, seed=0)
+    assert not grouped_mm_path.applies(x.cpu(), w_gate_up.cpu(), w_down.cpu())
+
+
+def test_combine_sorted_skips_sentinel_slots():
+    from moe_fuse.kernels.permute import combine_sorted
+
+    rows = torch.randn(6, 8)
+    pos = torch.tensor([[0, 5], [1, 2], [3, 4]], dtype=torch.int32)
+    ids = torch.tensor([[0, 9], [1, 1], [9, 2]])  # 9 >= E = 3: a sentinel slot
+    w = torch.rand(3, 2)
+    rows[5] = float("nan")  # the sentinel slots' rows
+    rows[3] = float("nan")
+    y = combine_sorted(rows.to(DEVICE), pos.to(DEVICE), w.to(DEVICE), torch.float32, ids=ids.to(DEVICE), num_experts=3)
+    want = torch.stack([w[0, 0] * rows[0], w[1, 0] * rows[1] + w[1, 1] * rows[2], w[2, 1] * rows[4]])
+    torch.testing.assert_close(y.cpu(), want)
+
+
+def test_dispatch_takes_the_path_for_training_only(monkeypatch):
+    """kernels.experts_forward takes the path when h is kept for the backward; the backward always where it applies."""
+    calls = []
+    for name in ("experts_forward", "experts_backward"):
+        real = getattr(grouped_mm_path, name)
+        monkeypatch.setattr(grouped_mm_path, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    monkeypatch.setattr(grouped_mm_path, "applies", lambda *a: True)
+    args = make_case(12, 2, 4, 16, 8, torch.float32, seed=5)
+    dy = torch.randn(12, 16).to(DEVICE)
+    kernels.experts_forward(*args)
+    assert calls == []  # inference / checkpointed layers: the fused Triton forward, no h in memory
+    _, h, _ = kernels.experts_forward(*args, save_h=True)
+    kernels.experts_backward(dy, *args, h)
+    kernels.experts_backward(dy, *args)
+    assert calls == ["experts_forward", "experts_backward", "experts_backward"]
+    empty = [t[:0] for t in args[:3]] + args[3:]
+    kernels.experts_forward(*empty, save_h=True)  # S = 0: the Triton path's early exit
+    assert len(calls) == 3
