@@ -122,8 +122,9 @@ def test_routing_metadata(T, k, E, mode):
         assert bool((seg[1:] > seg[:-1]).all())
     # Sentinel rows (ids >= E) last, in row order.
     assert torch.equal(order[routed:], torch.nonzero(flat >= E).flatten())
-    # pos is the inverse permutation.
+    # pos is the inverse permutation; token the token of each sorted position.
     assert torch.equal(r.pos.cpu().long()[order], torch.arange(flat.numel()))
+    assert torch.equal(r.token.cpu().long(), order // k)
 
 
 def test_routing_int32_ids():

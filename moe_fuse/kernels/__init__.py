@@ -9,7 +9,7 @@ Public:
     experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False) -> y  (or (y, h, routing))
     experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None) -> (dx, d_weights, d_w_gate_up, d_w_down)
     supports(x, ids, weights, w_gate_up, w_down) -> bool
-    route(ids, num_experts) -> Routing(order, counts, offsets, pos)
+    route(ids, num_experts) -> Routing(order, counts, offsets, pos, token)
     softmax_topk(logits, top_k, renorm, weights_dtype) -> (weights, ids)
     softmax_topk_backward(d_logits | None, d_weights, logits, ids, renorm) -> d_logits
 

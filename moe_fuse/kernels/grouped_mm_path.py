@@ -9,7 +9,7 @@ gradient, and fixed-order combines. ``kernels.experts_forward`` takes this path 
 for the backward anyway (``save_h``); without, the fused Triton forward never writes h and is faster
 on the 30B layer.
 
-    forward   xs = x[tok]                          [S, H]  (tok = order // k: rows sorted by expert)
+    forward   xs = x[tok]                          [S, H]  (tok = routing.token: rows sorted by expert)
               h  = xs @ W_gate_up[e]^T             [S, 2I] (gate | up; saved for the backward)
               a  = silu(gate) * up                 [S, I]
               o  = a @ W_down[e]^T                 [S, H]
@@ -97,7 +97,8 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False)
     E = w_gate_up.shape[0]
     routing = route(ids, E)
     ends = routing.offsets[1:]
-    xs = x[routing.order // k]
+    # index_select, not x[token]: the same gather for ~1/5 of the host time (advanced indexing's set-up).
+    xs = x.index_select(0, routing.token)
     h = _gate_up(xs, w_gate_up, ends)
     del xs
     o = torch._grouped_mm(swiglu(h, routing), w_down.transpose(1, 2), offs=ends)
@@ -114,10 +115,10 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None):
     ids = ids.contiguous()
     routing = route(ids, E)
     ends = routing.offsets[1:]
-    token = routing.order // k
+    token = routing.token
     if h is None:
-        h = _gate_up(x[token], w_gate_up, ends)
-    dys = dy[token]
+        h = _gate_up(x.index_select(0, token), w_gate_up, ends)
+    dys = dy.index_select(0, token)
     g = torch._grouped_mm(dys, w_down, offs=ends)  # [S, I]
     dh, aw, d_weights = dswiglu(g, h, weights.reshape(-1).contiguous(), routing, weights.dtype)
     del g
@@ -130,7 +131,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None):
         # its inputs is freed or reused while it runs.
         side.wait_stream(main)
     with torch.cuda.stream(side):  # None: stay on the current stream
-        d_wgu = torch._grouped_mm(dh.t(), x[token], offs=ends)
+        d_wgu = torch._grouped_mm(dh.t(), x.index_select(0, token), offs=ends)
     if side is not None:
         d_wgu.record_stream(main)  # allocated on the side stream, used (and freed) on this one
     o = torch._grouped_mm(dh, w_gate_up, offs=ends)  # [S, H]

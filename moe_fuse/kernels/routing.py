@@ -44,6 +44,7 @@ class Routing(NamedTuple):
     counts: torch.Tensor  # [E] int32: rows routed to each expert
     offsets: torch.Tensor  # [E + 1] int32: first sorted position of each expert, then the number of routed rows
     pos: torch.Tensor  # [S] int32: row -> sorted position (the inverse of order)
+    token: torch.Tensor  # [S] int32: sorted position -> token (order // k), the rows a gather picks
 
 
 @lazy_jit
@@ -94,9 +95,11 @@ def _scatter_kernel(
     order_ptr,  # [S] int32 out
     offsets_ptr,  # [E + 1] int32 out
     pos_ptr,  # [S] int32 out: the inverse of order
+    token_ptr,  # [S] int32 out: order // TOP_K
     S,
     E,
     num_blocks,
+    TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
     E_P2: tl.constexpr,
     COUNT_HERE: tl.constexpr,  # one block only: count here, skip _count_kernel and _scan_kernel
@@ -127,6 +130,7 @@ def _scatter_kernel(
         position += tl.load(block_prefix_ptr + expert.to(tl.int64) * num_blocks + pid, mask=valid, other=0)
     tl.store(order_ptr + position, rows, mask=valid)
     tl.store(pos_ptr + rows, position, mask=valid)
+    tl.store(token_ptr + position, rows // TOP_K, mask=valid)
 
 
 def route(ids: torch.Tensor, num_experts: int) -> Routing:
@@ -142,22 +146,25 @@ def route(ids: torch.Tensor, num_experts: int) -> Routing:
     counts = torch.empty(E + 1, dtype=torch.int32, device=dev)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     pos = torch.empty(S, dtype=torch.int32, device=dev)
+    token = torch.empty(S, dtype=torch.int32, device=dev)
+    k = ids.shape[-1] if ids.dim() > 1 else 1
     if S == 0:
         counts.zero_()
         offsets.zero_()
-        return Routing(order, counts[:E], offsets, pos)
+        return Routing(order, counts[:E], offsets, pos, token)
     if num_blocks == 1:
         # Decode-sized batches: one launch instead of three (launches dominate there).
         _scatter_kernel[(1,)](
-            flat, counts, counts, order, offsets, pos, S, E, 1, BLOCK=ROUTE_BLOCK, E_P2=E_P2, COUNT_HERE=True
+            flat, counts, counts, order, offsets, pos, token, S, E, 1, TOP_K=k, BLOCK=ROUTE_BLOCK, E_P2=E_P2,
+            COUNT_HERE=True,
         )
-        return Routing(order, counts[:E], offsets, pos)
+        return Routing(order, counts[:E], offsets, pos, token)
     block_counts = torch.empty(E + 1, num_blocks, dtype=torch.int32, device=dev)
     _count_kernel[(num_blocks,)](flat, block_counts, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2)
     chunk = min(SCAN_CHUNK, next_power_of_2(num_blocks))
     _scan_kernel[(E + 1,)](block_counts, counts, num_blocks, CHUNK=chunk)
     _scatter_kernel[(num_blocks,)](
-        flat, block_counts, counts, order, offsets, pos, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2,
-        COUNT_HERE=False,
+        flat, block_counts, counts, order, offsets, pos, token, S, E, num_blocks, TOP_K=k, BLOCK=ROUTE_BLOCK,
+        E_P2=E_P2, COUNT_HERE=False,
     )
-    return Routing(order, counts[:E], offsets, pos)
+    return Routing(order, counts[:E], offsets, pos, token)
