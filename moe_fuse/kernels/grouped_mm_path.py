@@ -41,8 +41,14 @@ _CAPABILITY: dict = {}
 
 
 def applies(x, w_gate_up, w_down, *others) -> bool:
-    """CUDA sm90+, x, the weights and ``others`` all bf16, H and I multiples of 8 (16-byte rows)."""
+    """CUDA sm90+, x, the weights and ``others`` all bf16, contiguous 16-byte aligned weights, H and I
+    multiples of 8.
+
+    (CUTLASS wants 16-byte aligned rows in both operand layouts; the Triton kernels take any strides.)
+    """
     if not (ENABLED and x.is_cuda and hasattr(torch, "_grouped_mm") and not interpreting()):
+        return False
+    if not all(w.is_contiguous() and w.data_ptr() % 16 == 0 for w in (w_gate_up, w_down)):
         return False
     if not all(t.dtype == torch.bfloat16 for t in (x, w_gate_up, w_down, *others)):
         return False
