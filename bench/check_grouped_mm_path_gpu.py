@@ -26,8 +26,24 @@ from moe_fuse import reference  # noqa: E402
 from moe_fuse.kernels import backward, forward, grouped_mm_path  # noqa: E402
 
 LAYERS = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}  # H, I, E, k
+def _gmm_forward(*args, save_h=False):
+    """The training forward as the op runs it: h, the routing and the sorted rows kept."""
+    return grouped_mm_path.experts_forward(*args, save_h=save_h, keep_rows=save_h)
+
+
+def _gmm_backward(dy, *args):
+    *inputs, kept = args
+    h, routing, xs = kept if isinstance(kept, tuple) else (kept, None, None)
+    return grouped_mm_path.experts_backward(dy, *inputs, h, routing=routing, xs=xs)
+
+
+def _saved(path, out):
+    """What a forward's output hands its backward: (h, routing, xs) on the grouped_mm path, h on Triton's."""
+    return (out[1], out[2], out[3]) if path == "grouped_mm" else out[1]
+
+
 PATHS = {
-    "grouped_mm": (grouped_mm_path.experts_forward, grouped_mm_path.experts_backward),
+    "grouped_mm": (_gmm_forward, _gmm_backward),
     "triton": (forward.experts_forward, backward.experts_backward),
 }
 NAMES = ("y", "dx", "d_weights", "dW_gate_up", "dW_down")
@@ -39,13 +55,34 @@ def check(label, x, ids, weights, wgu, wd, dy):
     want += list(reference.experts_backward(dy.float(), f32[0], ids, *f32[1:]))
     for name, (fwd, bwd) in PATHS.items():
         with poisoned_buffers():
-            y, h, _ = fwd(x, ids, weights, wgu, wd, save_h=True)
-            got = [y, *bwd(dy, x, ids, weights, wgu, wd, h)]
-        again = [fwd(x, ids, weights, wgu, wd, save_h=True)[0], *bwd(dy, x, ids, weights, wgu, wd, h)]
+            out = fwd(x, ids, weights, wgu, wd, save_h=True)
+            got = [out[0], *bwd(dy, x, ids, weights, wgu, wd, _saved(name, out))]
+        out = fwd(x, ids, weights, wgu, wd, save_h=True)
+        again = [out[0], *bwd(dy, x, ids, weights, wgu, wd, _saved(name, out))]
         errs = " ".join(f"{n} {rel_err(g, w):.1e}" for n, g, w in zip(NAMES, got, want))
         finite = all(bool(torch.isfinite(g).all()) for g in got)
         repeat = all(torch.equal(a, b) for a, b in zip(got, again))
         print(f"  check {label:24s} {name:10s} {errs}  finite {finite}  repeatable {repeat}", flush=True)
+
+
+def check_op(dev):
+    """The experts op on CUDA bf16 keeps h, xs and the routing; its fake implementation agrees (opcheck)."""
+    from torch.library import opcheck
+
+    import moe_fuse.ops  # noqa: F401  (registers the ops)
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    T, (H, I, E, k) = 256, LAYERS["30b"]
+    wgu, wd = make_weights(H, I, E, torch.bfloat16, dev, gen)
+    x, ids, weights = make_tokens(T, H, E, k, "uneven", torch.bfloat16, dev, gen)
+    req = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
+    for save_h in (False, True):
+        y, h, xs, routing = torch.ops.moe_fuse.experts(x, ids, weights, wgu, wd, save_h)
+        print(f"  op experts save_h={save_h}: h {tuple(h.shape)} xs {tuple(xs.shape)} routing {tuple(routing.shape)}")
+        opcheck(torch.ops.moe_fuse.experts.default, (req(x), ids, req(weights), req(wgu), req(wd), save_h))
+    dy = torch.randn_like(x)
+    opcheck(torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, weights, wgu, wd, h, xs, routing))
+    print("  opcheck experts / experts_backward on CUDA: passed", flush=True)
 
 
 def main():
@@ -55,6 +92,7 @@ def main():
     dev = torch.device("cuda")
     peak = matmul_peak(dev)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, matmul peak {peak:.1f} TFLOP/s")
+    check_op(dev)
     for n, case in enumerate(args.cases.split(",")):
         layer, T = case.split(":")
         T = int(T)
@@ -72,10 +110,10 @@ def main():
             check("stride-0 dy", x, ids, weights, wgu, wd, torch.ones(1, 1, device=dev, dtype=dy.dtype).expand(T, H))
         unit = 2 * T * k * H * I
         for name, (fwd, bwd) in PATHS.items():
-            h = fwd(x, ids, weights, wgu, wd, save_h=True)[1]
+            kept = _saved(name, fwd(x, ids, weights, wgu, wd, save_h=True))
             for what, fn, flops in (
                 ("forward (keep h)", lambda: fwd(x, ids, weights, wgu, wd, save_h=True), 3 * unit),
-                ("backward (read h)", lambda: bwd(dy, x, ids, weights, wgu, wd, h), 6 * unit),
+                ("backward (read h)", lambda: bwd(dy, x, ids, weights, wgu, wd, kept), 6 * unit),
             ):
                 ms = bench_ms(fn, dev)
                 tf = flops / ms / 1e9

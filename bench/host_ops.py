@@ -78,7 +78,7 @@ def main():
     wgu = torch.randn(E, 2 * I, H, device=dev, dtype=bf) * 0.02
     wd = torch.randn(E, H, I, device=dev, dtype=bf) * 0.02
     logits, weights, ids = torch.ops.moe_fuse.router(x, wr, k, True, bf)
-    y, h = torch.ops.moe_fuse.experts(x, ids, weights, wgu, wd, True)
+    y, h, xs, kept_routing = torch.ops.moe_fuse.experts(x, ids, weights, wgu, wd, True)
     dy = torch.randn_like(y)
     routing = kernels.route(ids, E)
     a, _ = grouped_gemm.gate_up(x, routing, wgu, k)
@@ -93,7 +93,7 @@ def main():
         "torch.empty": lambda: torch.empty(T, H, device=dev, dtype=bf),
         "op router": lambda: ops.router(x, wr, k, True, bf),
         "op experts (save_h)": lambda: ops.experts(x, ids, weights, wgu, wd, True),
-        "op experts_backward": lambda: ops.experts_backward(dy, x, ids, weights, wgu, wd, h),
+        "op experts_backward": lambda: ops.experts_backward(dy, x, ids, weights, wgu, wd, h, xs, kept_routing),
         "op router_backward": lambda: ops.router_backward(torch.zeros_like(logits), dwts, x, wr, logits, ids, True),
         "reference.router_backward": ref_router_bwd,
         "kernels.experts_forward (save_h)": lambda: kernels.experts_forward(x, ids, weights, wgu, wd, save_h=True),

@@ -7,10 +7,11 @@ one fused node forward and one backward per MoE block.
 Boundaries (the Triton kernels fill these in):
 - router:  x, W_router -> logits, routing weights, expert ids
            (linear, softmax in fp32, top-k, optional renorm, cast).
-- experts: x, ids, routing weights, W_gate_up, W_down, save_h -> (y, h)
+- experts: x, ids, routing weights, W_gate_up, W_down, save_h -> (y, h, xs, routing)
            (routing metadata, permutation, gate_up GEMM, SwiGLU, down GEMM,
-           weighted fixed-order combine over the k slots; h = the gate_up output
-           kept for the backward when save_h, else empty).
+           weighted fixed-order combine over the k slots; h = the gate_up output,
+           xs = the expert-sorted rows of x, routing = the routing buffer, each
+           kept for the backward when save_h and the kernels use it, else empty).
 """
 
 from __future__ import annotations
@@ -102,46 +103,82 @@ def _check_experts_args(x, ids, weights, w_gate_up, w_down):
         )
 
 
+def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h) -> tuple[int, int, int]:
+    """(rows of h, rows of xs, elements of the routing) that the forward keeps for the backward.
+
+    From shapes, dtypes and devices only: the real and the fake implementation both size their
+    outputs with it, so they agree. The reference keeps h alone; the CUDA kernels also keep their
+    routing, and the grouped_mm path (kernels/grouped_mm_path.py) the expert-sorted rows of x.
+    """
+    if not save_h:
+        return 0, 0, 0
+    S = ids.shape[0] * ids.shape[1]
+    if not (x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down)):
+        return S, 0, 0
+    rows = S if kernels.uses_grouped_mm(x, ids, w_gate_up, w_down) else 0
+    return S, rows, kernels.routing_buffer_size(S, w_gate_up.shape[0])
+
+
 @torch.library.custom_op("moe_fuse::experts", mutates_args=())
 def experts(
     x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, save_h: bool = False
-) -> tuple[Tensor, Tensor]:
-    """(y, h). With ``save_h``, h [T*k, 2I] is the pre-activation gate | up in expert order, which the
-    backward reads instead of recomputing it (2 instead of 6 T*k*H*I FLOPs in its first GEMM); without,
-    h is empty [0, 2I] and the backward recomputes. The rewrite saves h unless the block sits in an
-    activation-checkpointed region, where recomputing inside the backward is cheaper than re-running
-    the forward to rebuild h.
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, h, xs, routing): y, then what the backward reads instead of recomputing (``_saved_sizes``).
+
+    With ``save_h``: h [T*k, 2I] is the pre-activation gate | up in expert order (the backward's first
+    GEMM then costs 2 instead of 6 T*k*H*I FLOPs); on the CUDA kernels, routing is the int32 routing
+    buffer (``kernels.route``'s, no re-routing in the backward), and on the grouped_mm path xs [T*k, H]
+    the expert-sorted rows of x (no second gather). Each is empty where not kept. The rewrite saves
+    them unless the block sits in an activation-checkpointed region, where recomputing inside the
+    backward is cheaper than re-running the forward to rebuild them.
     """
     _check_experts_args(x, ids, weights, w_gate_up, w_down)
-    if x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):
-        if save_h:
-            y, h, _ = kernels.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=True)
-            return y, h
-        return kernels.experts_forward(x, ids, weights, w_gate_up, w_down), _no_h(w_gate_up)
-    if save_h:
-        return reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down, save_h=True)
-    return reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down), _no_h(w_gate_up)
+    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h)
+    if routing_size:
+        y, h, routing, xs = kernels.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=True)
+        return y, h, xs if xs_rows else _empty(x, x.shape[1]), routing.buf
+    if x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):  # without save_h
+        y, h = kernels.experts_forward(x, ids, weights, w_gate_up, w_down), _empty(w_gate_up, w_gate_up.shape[1])
+    elif save_h:
+        y, h = reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down, save_h=True)
+    else:
+        y = reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down)
+        h = _empty(w_gate_up, w_gate_up.shape[1])
+    return y, h, _empty(x, x.shape[1]), _empty(ids, None)
 
 
-def _no_h(w_gate_up):
-    return w_gate_up.new_empty((0, w_gate_up.shape[1]))
+def _empty(like, cols):
+    """An empty saved value: [0, cols] in like's dtype, or an empty int32 vector for cols None."""
+    if cols is None:
+        return like.new_empty((0,), dtype=torch.int32)
+    return like.new_empty((0, cols))
 
 
 @experts.register_fake
 def _(x, ids, weights, w_gate_up, w_down, save_h=False):
     _check_experts_args(x, ids, weights, w_gate_up, w_down)
-    rows = ids.shape[0] * ids.shape[1] if save_h else 0
-    return x.new_empty(x.shape), w_gate_up.new_empty((rows, w_gate_up.shape[1]))
+    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h)
+    return (
+        x.new_empty(x.shape),
+        w_gate_up.new_empty((h_rows, w_gate_up.shape[1])),
+        x.new_empty((xs_rows, x.shape[1])),
+        ids.new_empty((routing_size,), dtype=torch.int32),
+    )
 
 
 @torch.library.custom_op("moe_fuse::experts_backward", mutates_args=())
 def experts_backward(
-    dy: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor
+    dy: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor,
+    xs: Tensor, routing: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """h: the forward's saved pre-activation, or empty (recompute)."""
+    """h, xs, routing: what the forward kept (``experts``), each empty when not kept (recomputed)."""
     if dy.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):
-        saved = h if h.numel() else None
-        grads = kernels.experts_backward(dy, x, ids, weights, w_gate_up, w_down, saved)  # makes dy contiguous itself
+        S, E = ids.shape[0] * ids.shape[1], w_gate_up.shape[0]
+        grads = kernels.experts_backward(  # makes dy contiguous itself
+            dy, x, ids, weights, w_gate_up, w_down, h if h.numel() else None,
+            routing=kernels.routing_from_buffer(routing, S, E) if routing.numel() else None,
+            xs=xs if xs.numel() else None,
+        )
     else:
         # The reference recomputes h in fp32. The gradient of a sum arrives with stride 0: make it a real tensor first.
         grads = reference.experts_backward(dy.contiguous(), x.contiguous(), ids, weights, w_gate_up, w_down)
@@ -149,21 +186,23 @@ def experts_backward(
 
 
 @experts_backward.register_fake
-def _(dy, x, ids, weights, w_gate_up, w_down, h):
+def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing):
     fmt = torch.contiguous_format
     return tuple(torch.empty_like(t, memory_format=fmt) for t in (x, weights, w_gate_up, w_down))
 
 
 def _experts_setup_context(ctx, inputs, output):
     x, ids, weights, w_gate_up, w_down, _save_h = inputs
-    ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, output[1])
+    ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, *output[1:])
 
 
-def _experts_backward(ctx, dy, _d_h):
-    x, ids, weights, w_gate_up, w_down, h = ctx.saved_tensors
-    if dy is None:  # only h was used: nothing flows back (h is an internal saved value)
+def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing):
+    x, ids, weights, w_gate_up, w_down, h, xs, routing = ctx.saved_tensors
+    if dy is None:  # only the saved values were used: nothing flows back (they are internal)
         dy = torch.zeros_like(x)
-    dx, d_weights, d_wgu, d_wd = torch.ops.moe_fuse.experts_backward(dy, x, ids, weights, w_gate_up, w_down, h)
+    dx, d_weights, d_wgu, d_wd = torch.ops.moe_fuse.experts_backward(
+        dy, x, ids, weights, w_gate_up, w_down, h, xs, routing
+    )
     return dx, None, d_weights, d_wgu, d_wd, None
 
 

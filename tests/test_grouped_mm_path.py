@@ -65,17 +65,19 @@ def test_forward_and_backward_match_reference(name, monkeypatch):
     x, ids, weights, w_gate_up, w_down = args
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEVICE)
     with poisoned_buffers(monkeypatch):
-        y, h, routing = grouped_mm_path.experts_forward(*args, save_h=True)
+        y, h, routing, xs = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
     check([y], [ref64(*args)], [x], TOL[dtype], ["y"])
+    assert torch.equal(xs[: int(routing.offsets[-1])], x[routing.token.long()][: int(routing.offsets[-1])])
     want = ref64_backward(dy, *args)
     like = (x, weights, w_gate_up, w_down)
     with poisoned_buffers(monkeypatch):
-        saved = grouped_mm_path.experts_backward(dy, *args, h)
+        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs)
+        saved_h = grouped_mm_path.experts_backward(dy, *args, h)
         recomputed = grouped_mm_path.experts_backward(dy, *args)
-    check(saved, want, like, TOL[dtype], NAMES)
-    check(recomputed, want, like, TOL[dtype], NAMES)
-    for a, b in zip(saved, recomputed):  # the recomputed h is the saved one
-        assert torch.equal(a, b)
+    for grads in (kept, saved_h, recomputed):
+        check(grads, want, like, TOL[dtype], NAMES)
+    for a, b, c in zip(kept, saved_h, recomputed):  # what the forward kept is what the backward recomputes
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_matches_the_triton_kernels_path():
@@ -114,10 +116,11 @@ def test_dispatch_takes_the_path_for_training_only(monkeypatch):
     dy = torch.randn(12, 16).to(DEVICE)
     kernels.experts_forward(*args)
     assert calls == []  # inference / checkpointed layers: the fused Triton forward, no h in memory
-    _, h, _ = kernels.experts_forward(*args, save_h=True)
-    kernels.experts_backward(dy, *args, h)
+    _, h, routing, xs = kernels.experts_forward(*args, save_h=True, keep_rows=True)
+    assert xs.shape == (12 * 2, 16)
+    kernels.experts_backward(dy, *args, h, routing=routing, xs=xs)
     kernels.experts_backward(dy, *args)
     assert calls == ["experts_forward", "experts_backward", "experts_backward"]
     empty = [t[:0] for t in args[:3]] + args[3:]
-    kernels.experts_forward(*empty, save_h=True)  # S = 0: the Triton path's early exit
+    assert kernels.experts_forward(*empty, save_h=True, keep_rows=True)[3] is None  # S = 0: the Triton path
     assert len(calls) == 3

@@ -139,12 +139,15 @@ def test_tma_descriptor_path(dtype, mode, saved_h, monkeypatch):
 def test_deterministic():
     args = make_case(24, 3, 6, 40, 24, torch.bfloat16, "skewed", seed=11)
     dy = torch.randn(24, 40, device=DEVICE).to(torch.bfloat16)
-    h = experts_forward(*args, save_h=True)[1]
+    _, h, routing = experts_forward(*args, save_h=True)
     for saved in (None, h):
         first = experts_backward(dy, *args, saved)
         second = experts_backward(dy, *args, saved)
         for name, a, b in zip(NAMES, first, second):
             assert torch.equal(a, b), name
+    # The forward's routing, kept: the same gradients as routing again.
+    for name, a, b in zip(NAMES, experts_backward(dy, *args, h, routing=routing), first):
+        assert torch.equal(a, b), name
 
 
 def test_bad_saved_h_is_named():

@@ -127,6 +127,22 @@ def test_routing_metadata(T, k, E, mode):
     assert torch.equal(r.token.cpu().long(), order // k)
 
 
+def test_routing_buffer_round_trip_and_errors():
+    """A forward keeps Routing.buf; from_buffer gives back the same views. A wrong buffer is named."""
+    from moe_fuse.kernels.routing import buffer_size, from_buffer
+
+    ids = make_ids(10, 3, 4, "skewed", torch.Generator().manual_seed(2)).to(DEVICE)
+    r = route(ids, 4)
+    assert r.buf.numel() == buffer_size(30, 4) and r.buf.dtype == torch.int32
+    again = from_buffer(r.buf.clone(), 30, 4)
+    for name, a, b in zip(r._fields, r, again):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match=r"saved routing must be a contiguous int32 vector of 100 elements \(S=30, E=4\)"):
+        from_buffer(r.buf[:-1], 30, 4)
+    with pytest.raises(ValueError, match="got torch.int64"):
+        from_buffer(r.buf.long(), 30, 4)
+
+
 def test_routing_int32_ids():
     gen = torch.Generator().manual_seed(3)
     ids = make_ids(20, 3, 9, "uniform", gen)

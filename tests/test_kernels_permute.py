@@ -1,4 +1,4 @@
-"""The expert-order combine kernels of the expert-parallel path against float64 torch (interpreter on CPU)."""
+"""The expert-order permute kernels (combines, row expansion) against torch (interpreter on CPU)."""
 
 import os
 
@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from moe_fuse.kernels.permute import combine_sorted, combine_sorted_backward  # noqa: E402
+from moe_fuse.kernels.permute import combine_sorted, combine_sorted_backward, expand_rows  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,6 +66,8 @@ def test_torch_fallback_matches_kernels():
     import moe_fuse.kernels.permute as permute
 
     got = combine_sorted(rows.to(DEVICE), pos.to(DEVICE), weights.to(DEVICE), torch.float32).cpu()
+    x = torch.randn(11, 40)
+    expanded = expand_rows(x.to(DEVICE), pos.to(DEVICE)).cpu()
     grads = [g.cpu() for g in combine_sorted_backward(dy.to(DEVICE), rows.to(DEVICE), order.to(DEVICE),
                                                       weights.to(DEVICE), 3)]
     use = permute._use_kernels
@@ -73,8 +75,23 @@ def test_torch_fallback_matches_kernels():
     try:
         want = combine_sorted(rows, pos, weights, torch.float32)
         want_grads = combine_sorted_backward(dy, rows, order, weights, 3)
+        want_expanded = expand_rows(x, pos)
     finally:
         permute._use_kernels = use
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(expanded, want_expanded)
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T, k, H, dtype", [(37, 2, 48, torch.float32), (20, 8, 300, torch.bfloat16), (5, 1, 16, torch.float32)])
+def test_expand_rows_is_the_gather_of_token_rows(T, k, H, dtype):
+    """out[p] = x[order[p] // k]: every sorted position (a permutation of the slots) gets its token's row, exactly."""
+    order, pos, _, _, _ = case(T, k, H, dtype, None, seed=T + k)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = expand_rows(x.to(DEVICE), pos.to(torch.int32).to(DEVICE))
+    assert out.shape == (T * k, H) and out.dtype == dtype
+    assert torch.equal(out.cpu(), x[order // k])
+    # A column view (non-contiguous x) and int64 positions give the same rows.
+    wide = torch.cat([x, x], dim=1)[:, :H]
+    assert torch.equal(expand_rows(wide.to(DEVICE), pos.to(DEVICE)).cpu(), x[order // k])

@@ -43,8 +43,10 @@ def test_experts_forward_and_backward_match_definition(k, sentinel_fraction, sav
     x, ids, weights, w_gate_up, w_down = random_case(k=k, sentinel_fraction=sentinel_fraction)
     leaves = [t.requires_grad_() for t in (x, weights, w_gate_up, w_down)]
     want = naive_experts(x, ids, weights, w_gate_up, w_down)
-    got, h = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h)
+    got, h, xs, routing = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    # The reference (CPU) keeps h alone: the sorted rows and the routing are the CUDA kernels'.
+    assert xs.shape == (0, x.shape[1]) and routing.shape == (0,) and routing.dtype == torch.int32
     if save_h:  # the pre-activation of each routed row, in expert order (sentinel rows zero)
         order = torch.argsort(ids.reshape(-1), stable=True)
         routed = (ids.reshape(-1) < w_gate_up.shape[0])[order]
@@ -61,7 +63,7 @@ def test_experts_forward_and_backward_match_definition(k, sentinel_fraction, sav
 def test_experts_all_tokens_on_one_expert_and_empty_experts():
     x, ids, weights, w_gate_up, w_down = random_case(k=1)
     ids.fill_(3)
-    got, _ = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down)
+    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down)[0]
     torch.testing.assert_close(got, naive_experts(x, ids, weights, w_gate_up, w_down))
 
 
@@ -91,9 +93,9 @@ def test_opcheck(dtype):
     for save_h in (False, True):
         opcheck(torch.ops.moe_fuse.experts.default, (req(x), ids, req(weights), req(w_gate_up), req(w_down), save_h))
     dy = torch.randn_like(x)
-    _, h = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, True)
+    _, h, xs, routing = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, True)
     for saved in (h, h[:0]):
-        opcheck(torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, weights, w_gate_up, w_down, saved))
+        opcheck(torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, weights, w_gate_up, w_down, saved, xs, routing))
     w_router = torch.randn(5, x.shape[1], dtype=dtype)
     opcheck(torch.ops.moe_fuse.router.default, (req(x), req(w_router), 2, True, dtype))
     logits, _, r_ids = torch.ops.moe_fuse.router(x, w_router, 2, True, dtype)

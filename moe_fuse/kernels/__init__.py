@@ -6,10 +6,14 @@ run every GEMM through torch._grouped_mm (CUTLASS) with Triton kernels around it
 gate_up GEMM never writes h to memory.
 
 Public:
-    experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False) -> y  (or (y, h, routing))
-    experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None) -> (dx, d_weights, d_w_gate_up, d_w_down)
+    experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False, keep_rows=False)
+        -> y  (or (y, h, routing), or (y, h, routing, xs | None))
+    experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None)
+        -> (dx, d_weights, d_w_gate_up, d_w_down)
     supports(x, ids, weights, w_gate_up, w_down) -> bool
-    route(ids, num_experts) -> Routing(order, counts, offsets, pos, token)
+    uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool
+    route(ids, num_experts) -> Routing(order, counts, offsets, pos, token, buf)
+    routing_buffer_size(S, num_experts), routing_from_buffer(buf, S, num_experts)
     softmax_topk(logits, top_k, renorm, weights_dtype) -> (weights, ids)
     softmax_topk_backward(d_logits | None, d_weights, logits, ids, renorm) -> d_logits
 
@@ -21,27 +25,43 @@ are jitted at first launch (see _jit.py).
 """
 
 
-def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False):
-    """See forward.experts_forward: same result as reference.experts_forward."""
+def uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool:
+    """True when the training forward (save_h) and the backward of these inputs take grouped_mm_path.
+
+    Reads metadata only (the op's fake implementation asks it too). ``others``: more tensors that
+    must be bf16 (the backward's dy).
+    """
+    from . import grouped_mm_path
+
+    return ids.numel() > 0 and grouped_mm_path.applies(x, w_gate_up, w_down, *others)
+
+
+def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False):
+    """See forward.experts_forward: same result as reference.experts_forward.
+
+    save_h: (y, h, routing); with keep_rows too: (y, h, routing, xs), xs the expert-sorted rows of x
+    on grouped_mm_path (which its backward reads), None on the Triton path (whose GEMMs gather).
+    """
     from . import grouped_mm_path
     from .forward import experts_forward as impl
 
-    if save_h and ids.numel() and grouped_mm_path.applies(x, w_gate_up, w_down):
-        impl = grouped_mm_path.experts_forward
-    return impl(x, ids, weights, w_gate_up, w_down, save_h=save_h)
+    if save_h and uses_grouped_mm(x, ids, w_gate_up, w_down):
+        return grouped_mm_path.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=keep_rows)
+    out = impl(x, ids, weights, w_gate_up, w_down, save_h=save_h)
+    return (*out, None) if save_h and keep_rows else out
 
 
-def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None):
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None):
     """See backward.experts_backward: same result as reference.experts_backward (under the same ``supports``).
 
-    h: the pre-activation ``experts_forward(save_h=True)`` kept, or None to recompute it.
+    h, routing, xs: what ``experts_forward(save_h=True, keep_rows=True)`` kept, or None to recompute.
     """
     from . import grouped_mm_path
     from .backward import experts_backward as impl
 
-    if ids.numel() and grouped_mm_path.applies(x, w_gate_up, w_down, dy):
-        impl = grouped_mm_path.experts_backward
-    return impl(dy, x, ids, weights, w_gate_up, w_down, h)
+    if uses_grouped_mm(x, ids, w_gate_up, w_down, dy):
+        return grouped_mm_path.experts_backward(dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, xs=xs)
+    return impl(dy, x, ids, weights, w_gate_up, w_down, h, routing=routing)
 
 
 def supports(x, ids, weights, w_gate_up, w_down) -> bool:
@@ -72,6 +92,20 @@ def softmax_topk_backward(d_logits, d_weights, logits, ids, renorm: bool):
     return impl(d_logits, d_weights, logits, ids, renorm)
 
 
+def routing_buffer_size(S: int, num_experts: int) -> int:
+    """See routing.buffer_size: int32 elements of a Routing's one buffer (what a forward keeps)."""
+    from .routing import buffer_size
+
+    return buffer_size(S, num_experts)
+
+
+def routing_from_buffer(buf, S: int, num_experts: int):
+    """See routing.from_buffer: the Routing a kept buffer holds."""
+    from .routing import from_buffer
+
+    return from_buffer(buf, S, num_experts)
+
+
 def __getattr__(name):
     if name == "Routing":
         from .routing import Routing
@@ -80,4 +114,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'moe_fuse.kernels' has no attribute {name!r}")
 
 
-__all__ = ["Routing", "experts_backward", "experts_forward", "route", "softmax_topk", "softmax_topk_backward", "supports"]
+__all__ = [
+    "Routing", "experts_backward", "experts_forward", "route", "routing_buffer_size", "routing_from_buffer",
+    "softmax_topk", "softmax_topk_backward", "supports", "uses_grouped_mm",
+]

@@ -808,13 +808,15 @@ def d_weights_by_row(part, routing: Routing, num_experts: int, out_dtype):
 # --------------------------------------------------------------------------- entry point
 
 
-def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: BackwardConfig | None = None):
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: BackwardConfig | None = None,
+                     routing: Routing | None = None):
     """(dx, d_weights, d_w_gate_up, d_w_down): the semantics and dtypes of ``reference.experts_backward``.
 
     dy [T, H] (any strides, stride 0 included), x [T, H], ids [T, k] (ids >= E: expert-parallel
     sentinels, zero contribution and zero gradient), weights [T, k], w_gate_up [E, 2I, H],
     w_down [E, H, I]; h: the forward's saved pre-activation (``experts_forward(save_h=True)``),
-    or None to recompute it. Outputs are contiguous, in the dtypes of x, weights, w_gate_up, w_down.
+    or None to recompute it; routing: the forward's (``route(ids, E)``), or None to route again.
+    Outputs are contiguous, in the dtypes of x, weights, w_gate_up, w_down.
     """
     T, H = x.shape
     k = ids.shape[1]
@@ -835,7 +837,8 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
     dy = dy.contiguous()
     ids = ids.contiguous()
     rw = weights.reshape(-1).contiguous()
-    routing = route(ids, E)
+    if routing is None:
+        routing = route(ids, E)
 
     if h is None:
         dh, aw, part = dgrad(dy, x, routing, rw, w_gate_up, w_down, k, config=cfg.dgrad)

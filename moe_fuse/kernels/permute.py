@@ -6,6 +6,7 @@ permutation (pos[order[p]] = p).
 
     combine_sorted(rows, pos, weights)  y[t] = sum_j weights[t, j] * rows[pos[t*k + j]]   (weights None: 1)
         with ids / num_experts: slots whose id >= num_experts (sentinels) count as zero
+    expand_rows(x, pos)                 out[pos[t*k + j]] = x[t]   (the rows of each expert's GEMM, x read once)
     combine_sorted_backward(dy, rows, order, weights, k)
         d_rows[p]        = weights[slot] * dy[slot // k]        slot = order[p]
         d_weights[slot]  = sum_h dy[slot // k, h] * rows[p, h]
@@ -101,6 +102,51 @@ def _combine_sorted_backward_kernel(
         tl.store(d_w_ptr + slot, dot.to(d_w_ptr.dtype.element_ty), mask=p_ok)
 
 
+@lazy_jit
+def _expand_rows_kernel(
+    x_ptr,  # [T, H] contiguous
+    pos_ptr,  # [T * k] int32 or int64: sorted position of each slot
+    out_ptr,  # [T * k, H] out
+    T,
+    H,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_ok = t < T
+    mask = t_ok[:, None] & (h < H)[None, :]
+    slot = t.to(tl.int64) * TOP_K
+    row = tl.load(x_ptr + t.to(tl.int64)[:, None] * H + h[None, :], mask=mask)
+    for j in tl.static_range(TOP_K):
+        p = tl.load(pos_ptr + slot + j, mask=t_ok, other=0).to(tl.int64)
+        tl.store(out_ptr + p[:, None] * H + h[None, :], row, mask=mask)
+
+
+def expand_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """out [T*k, H] with out[pos[t, j]] = x[t]; pos [T, k] (int32 or int64), a permutation of the slots.
+
+    The same rows as ``x.index_select(0, token)`` (token = the token of each sorted position), written
+    from the token side: each row of x is read once and stored k times, where the gather reads it k
+    times (x, [T, H], is larger than the L2 cache at training sizes): ~(1 + k) instead of 2k row
+    transfers.
+    """
+    T, k = pos.shape
+    H = x.shape[1]
+    x = x.contiguous()
+    out = torch.empty(T * k, H, dtype=x.dtype, device=x.device)
+    if not _use_kernels(x):
+        out[pos.reshape(-1).long()] = x.repeat_interleave(k, dim=0)
+        return out
+    if T == 0 or H == 0:
+        return out
+    _expand_rows_kernel[(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))](
+        x, pos.contiguous(), out, T, H, TOP_K=k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, num_warps=4
+    )
+    return out
+
+
 def _use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and interpreter_usable())
 
@@ -168,4 +214,4 @@ def combine_sorted_backward(dy: torch.Tensor, rows: torch.Tensor, order: torch.T
     return d_rows, d_w
 
 
-__all__ = ["combine_sorted", "combine_sorted_backward"]
+__all__ = ["combine_sorted", "combine_sorted_backward", "expand_rows"]

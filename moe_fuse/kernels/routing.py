@@ -45,6 +45,28 @@ class Routing(NamedTuple):
     offsets: torch.Tensor  # [E + 1] int32: first sorted position of each expert, then the number of routed rows
     pos: torch.Tensor  # [S] int32: row -> sorted position (the inverse of order)
     token: torch.Tensor  # [S] int32: sorted position -> token (order // k), the rows a gather picks
+    buf: torch.Tensor  # [buffer_size(S, E)] int32: the one allocation the five above are views of
+
+
+def buffer_size(S: int, E: int) -> int:
+    """int32 elements of ``Routing.buf``: order, pos, token ([S] each), then counts and offsets ([E + 1] each)."""
+    return 3 * S + 2 * (E + 1)
+
+
+def from_buffer(buf: torch.Tensor, S: int, E: int) -> Routing:
+    """The Routing whose ``buf`` this is: what a forward keeps so that its backward need not route again."""
+    if buf.dtype != torch.int32 or buf.dim() != 1 or buf.numel() != buffer_size(S, E) or not buf.is_contiguous():
+        raise ValueError(
+            f"saved routing must be a contiguous int32 vector of {buffer_size(S, E)} elements (S={S}, E={E}), "
+            f"got {buf.dtype} {tuple(buf.shape)}"
+        )
+    return _views(buf, S, E)
+
+
+def _views(buf: torch.Tensor, S: int, E: int) -> Routing:
+    # counts keeps E + 1 entries in buf (the kernels count sentinels in bucket E); Routing.counts shows E.
+    counts = buf[3 * S : 3 * S + E + 1]
+    return Routing(buf[:S], counts[:E], buf[3 * S + E + 1 :], buf[S : 2 * S], buf[2 * S : 3 * S], buf)
 
 
 @lazy_jit
@@ -142,23 +164,21 @@ def route(ids: torch.Tensor, num_experts: int) -> Routing:
     dev = flat.device
     num_blocks = cdiv(S, ROUTE_BLOCK)
     E_P2 = next_power_of_2(E + 1)  # one bucket more, for sentinels
-    order = torch.empty(S, dtype=torch.int32, device=dev)
-    counts = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    pos = torch.empty(S, dtype=torch.int32, device=dev)
-    token = torch.empty(S, dtype=torch.int32, device=dev)
+    # One allocation for all five outputs: one allocator call, and one tensor for a forward to keep.
+    routing = _views(torch.empty(buffer_size(S, E), dtype=torch.int32, device=dev), S, E)
+    order, offsets, pos, token = routing.order, routing.offsets, routing.pos, routing.token
+    counts = routing.buf[3 * S : 3 * S + E + 1]  # with the sentinel bucket
     k = ids.shape[-1] if ids.dim() > 1 else 1
     if S == 0:
-        counts.zero_()
-        offsets.zero_()
-        return Routing(order, counts[:E], offsets, pos, token)
+        routing.buf.zero_()
+        return routing
     if num_blocks == 1:
         # Decode-sized batches: one launch instead of three (launches dominate there).
         _scatter_kernel[(1,)](
             flat, counts, counts, order, offsets, pos, token, S, E, 1, TOP_K=k, BLOCK=ROUTE_BLOCK, E_P2=E_P2,
             COUNT_HERE=True,
         )
-        return Routing(order, counts[:E], offsets, pos, token)
+        return routing
     block_counts = torch.empty(E + 1, num_blocks, dtype=torch.int32, device=dev)
     _count_kernel[(num_blocks,)](flat, block_counts, S, E, num_blocks, BLOCK=ROUTE_BLOCK, E_P2=E_P2)
     chunk = min(SCAN_CHUNK, next_power_of_2(num_blocks))
@@ -167,4 +187,4 @@ def route(ids: torch.Tensor, num_experts: int) -> Routing:
         flat, block_counts, counts, order, offsets, pos, token, S, E, num_blocks, TOP_K=k, BLOCK=ROUTE_BLOCK,
         E_P2=E_P2, COUNT_HERE=False,
     )
-    return Routing(order, counts[:E], offsets, pos, token)
+    return routing

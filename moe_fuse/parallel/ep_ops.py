@@ -27,7 +27,9 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse.experts / experts_backward)
 from ..kernels.permute import combine_sorted, combine_sorted_backward
-from .overlap import chunk_major_order, chunked_backward, chunked_forward, expert_groups, make_plan, plan_from
+from .overlap import (
+    chunk_major_order, chunked_backward, chunked_forward, expert_groups, make_plan, no_routing, plan_from,
+)
 from .permute import inverse_order
 
 
@@ -91,9 +93,10 @@ def ep_experts_backward(
     # y[t] = sum_j weights[t, j] * y_sorted[pos[t, j]]: d(y_sorted) comes out in expert order, as sent.
     dy_sorted, d_weights = combine_sorted_backward(dy, y_sorted, order, weights, k)
     x_sorted = x.index_select(0, order // k)
-    no_h = [w_gate_up.new_empty((0, w_gate_up.shape[1]))] * len(plan.groups)  # recompute gate_up per chunk
+    # Recompute gate_up and the routing per chunk.
+    nothing_saved = [(w_gate_up.new_empty((0, w_gate_up.shape[1])), no_routing(x))] * len(plan.groups)
     dx_sorted, d_gate_up, d_down = chunked_backward(
-        dy_sorted, None, no_h, w_gate_up, w_down, plan, weights.dtype, x_sorted=x_sorted
+        dy_sorted, None, nothing_saved, w_gate_up, w_down, plan, weights.dtype, x_sorted=x_sorted
     )
     dx = combine_sorted(dx_sorted, inverse_order(order, k), None, dx_sorted.dtype)  # sum over each token's slots
     return dx, d_weights.contiguous(), d_gate_up, d_down

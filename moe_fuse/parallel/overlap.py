@@ -158,7 +158,7 @@ def _dispatch_all(rows_sorted: list[Tensor], plan: _Plan):
 
 
 def chunked_forward(x_sorted: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype, save_h: bool):
-    """x_sorted [S, H] (chunk-major rows) -> (y_sorted [S, H], x_recv [R, H], [h of each chunk]).
+    """x_sorted [S, H] (chunk-major rows) -> (y_sorted [S, H], x_recv [R, H], [(h, routing) of each chunk]).
 
     Every row goes through its expert on the rank that owns it and comes back; the all-to-alls of one
     chunk overlap with the experts of another (module docstring). No host sync.
@@ -169,28 +169,37 @@ def chunked_forward(x_sorted: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: _
     # Issue every dispatch at once: they queue in order on the group's stream (or gloo's threads), and
     # chunk c's experts only wait for dispatch c.
     (x_recv,), sends = _dispatch_all([x_sorted], p)
-    hs, outs, combines = [], [], []
+    saved, outs, combines = [], [], []
     for c, (lo, hi) in enumerate(p.groups):
         sends[c].wait()
         rows = x_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]]
         if rows.shape[0]:
             ones = torch.ones(rows.shape[0], 1, dtype=weights_dtype, device=rows.device)
-            y_c, h_c = torch.ops.moe_fuse.experts(rows, p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], save_h)
+            # The sorted rows (xs) are not kept: x_recv is, and the backward gathers from it.
+            y_c, h_c, _, r_c = torch.ops.moe_fuse.experts(
+                rows, p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], save_h
+            )
         else:  # nothing routed to this group here: skip the kernels, still take part in the all-to-all
-            y_c, h_c = rows, rows.new_empty((0, w_gate_up.shape[1]), dtype=w_gate_up.dtype)
-        hs.append(h_c)
+            y_c, h_c, r_c = rows, rows.new_empty((0, w_gate_up.shape[1]), dtype=w_gate_up.dtype), no_routing(rows)
+        saved.append((h_c, r_c))
         outs.append(y_c)  # kept referenced until its combine is waited on
         combines.append(_a2a(y_sorted[p.send_offsets[c] : p.send_offsets[c + 1]], y_c, p.send[c], p.recv[c], p.group))
     for work in combines:
         work.wait()
-    return y_sorted, x_recv, hs
+    return y_sorted, x_recv, saved
 
 
-def chunked_backward(dy_sorted: Tensor, x_recv, hs, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype,
+def no_routing(like: Tensor) -> Tensor:
+    """The empty routing value of ``moe_fuse.experts``: the backward routes again."""
+    return like.new_empty((0,), dtype=torch.int32)
+
+
+def chunked_backward(dy_sorted: Tensor, x_recv, saved, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype,
                      x_sorted: Tensor | None = None):
     """The reverse of chunked_forward: (dx_sorted [S, H], d_w_gate_up, d_w_down), all-to-alls overlapped likewise.
 
-    ``hs``: each chunk's saved gate_up output, or empty tensors (the experts backward then recomputes it).
+    ``saved``: each chunk's (h, routing) from ``moe_fuse.experts``, or empty tensors (the experts backward
+    then recomputes them).
     ``x_recv`` None: the forward kept no received rows; ``x_sorted`` is dispatched again, chunk by chunk
     beside the gradients (a graph op cannot keep a tensor whose size only the data knows).
     """
@@ -212,7 +221,8 @@ def chunked_backward(dy_sorted: Tensor, x_recv, hs, w_gate_up: Tensor, w_down: T
         if b > a:
             ones = torch.ones(b - a, 1, dtype=weights_dtype, device=dy_sorted.device)
             dx_c, _, dgu_c, dd_c = torch.ops.moe_fuse.experts_backward(
-                dy_recv[a:b], x_recv[a:b], p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], hs[c]
+                dy_recv[a:b], x_recv[a:b], p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], saved[c][0],
+                x_recv.new_empty((0, x_recv.shape[1])), saved[c][1],
             )
             d_gate_up[lo:hi] = dgu_c
             d_down[lo:hi] = dd_c
@@ -236,16 +246,19 @@ class _ChunkedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_sorted: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: _Plan, weights_dtype, save_h: bool):
-        y_sorted, x_recv, hs = chunked_forward(x_sorted, w_gate_up, w_down, plan, weights_dtype, save_h)
+        y_sorted, x_recv, saved = chunked_forward(x_sorted, w_gate_up, w_down, plan, weights_dtype, save_h)
         ctx.plan = plan
         ctx.weights_dtype = weights_dtype
-        ctx.save_for_backward(x_recv, w_gate_up, w_down, *hs)
+        ctx.save_for_backward(x_recv, w_gate_up, w_down, *(t for pair in saved for t in pair))
         return y_sorted
 
     @staticmethod
     def backward(ctx, dy_sorted: Tensor):
-        x_recv, w_gate_up, w_down, *hs = ctx.saved_tensors
-        dx_sorted, d_gate_up, d_down = chunked_backward(dy_sorted, x_recv, hs, w_gate_up, w_down, ctx.plan, ctx.weights_dtype)
+        x_recv, w_gate_up, w_down, *flat = ctx.saved_tensors
+        saved = list(zip(flat[0::2], flat[1::2]))
+        dx_sorted, d_gate_up, d_down = chunked_backward(
+            dy_sorted, x_recv, saved, w_gate_up, w_down, ctx.plan, ctx.weights_dtype
+        )
         return dx_sorted, d_gate_up, d_down, None, None, None
 
 

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Probe: the kernel sequence of one compiled MoE layer step (forward + backward), kernel by kernel.
+
+    PYTHONPATH=. python3 bench/trace_layer_gpu.py [--shape 30b] [--tokens 16384] [--order inductor,moe_fuse,inductor]
+
+For each backend in --order (the same block, input and dy; a name may repeat, to see drift from
+the card's state), one step is traced with torch.profiler and every CUDA kernel of it is listed:
+start offset, duration, stream, name. GEMM sums per backend at the end. Also prints the SM clock and
+power that nvidia-smi reports before each trace (read only). --no-overlap: moe_fuse's weight
+gradients on one stream. --paced: whether the card slows down under sustained load (power, clocks).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layer_bench import SHAPES, build_block, ensure_moe_fuse_backend  # noqa: E402
+
+
+def smi():
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        out = f"nvidia-smi: {e}"
+    return out
+
+
+def trace_kernels(step, iters=3, idle_ms=0.0, every=False):
+    """The last step's kernels (every: a list of each step's kernels); idle_ms > 0: synchronize and
+    sleep that long between steps (the GPU idles), else steps are issued back to back."""
+    import time
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+            if idle_ms:
+                torch.cuda.synchronize()
+                time.sleep(idle_ms / 1e3)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.load(open(path))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    per = len(kernels) // iters
+    if every:
+        return [kernels[i * per : (i + 1) * per] for i in range(iters)]
+    return kernels[-per:]
+
+
+def span_ms(kernels):
+    return (kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]) / 1e3
+
+
+def host_check(step, n=20):
+    """(enqueue ms per step, period ms per step) over n steps issued back to back; and the
+    synchronizing calls one step makes (torch.cuda.set_sync_debug_mode)."""
+    import time
+    import warnings
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(n):
+        step()
+    t1 = time.perf_counter()
+    end.record()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message)})
+    return (t1 - t0) * 1e3 / n, start.elapsed_time(end) / n, syncs
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="30b", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--order", default="inductor,moe_fuse,inductor,moe_fuse")
+    ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--paced", action="store_true", help="also: kernel spans back to back vs with idle gaps")
+    args = ap.parse_args()
+    ensure_moe_fuse_backend()
+    if args.no_overlap:
+        from moe_fuse.kernels import backward
+
+        backward.OVERLAP_WGRAD = False
+    block = build_block(args.shape, "cuda", torch.bfloat16)
+    x = torch.randn(1, args.tokens, SHAPES[args.shape][0], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    params = [x, *block.parameters()]
+    compiled = {}
+    for name in args.order.split(","):
+        fn = compiled.setdefault(name, torch.compile(block, backend=name))
+
+        def step(fn=fn):
+            for p in params:
+                p.grad = None
+            out = fn(x)
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(dy)
+
+        ms = do_bench(step, warmup=20, rep=200, return_mode="median")
+        enq, period, syncs = host_check(step)
+        print(f"== {name}: host enqueue {enq:.3f} ms/step, back-to-back period {period:.3f} ms/step, syncs: {syncs}")
+        before = smi()
+        kernels = trace_kernels(step)
+        t0 = kernels[0]["ts"]
+        print(f"== {name}: step {ms:.3f} ms; nvidia-smi (sm MHz, W, C): {before}")
+        gemm = 0.0
+        for e in kernels:
+            kname = e["name"]
+            short = "CUTLASS grouped GEMM" if "cutlass" in kname else kname[:70]
+            if "cutlass" in kname:
+                gemm += e["dur"]
+            print(f"  {(e['ts'] - t0) / 1e3:7.3f} +{e['dur'] / 1e3:6.3f} ms  s{e.get('args', {}).get('stream', '?'):<3} {short}")
+        print(f"  span {span_ms(kernels):.3f} ms, kernels {sum(e['dur'] for e in kernels) / 1e3:.3f} ms, "
+              f"grouped GEMMs {gemm / 1e3:.3f} ms")
+        if args.paced:
+            # Kernel spans of 12 steps issued back to back, then of 12 with the GPU idle 50 ms between
+            # steps: if the back-to-back ones are longer, the card slows down under sustained load.
+            for label, idle in (("back to back", 0.0), ("50 ms idle between", 50.0)):
+                spans = [span_ms(k) for k in trace_kernels(step, iters=12, idle_ms=idle, every=True)]
+                print(f"  kernel span per step, {label}: " + " ".join(f"{v:.2f}" for v in spans))
+
+
+if __name__ == "__main__":
+    main()
