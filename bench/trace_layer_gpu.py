@@ -6,8 +6,9 @@
 For each backend in --order (the same block, input and dy; a name may repeat, to see drift from
 the card's state), one step is traced with torch.profiler and every CUDA kernel of it is listed:
 start offset, duration, stream, name. GEMM sums per backend at the end. Also prints the SM clock and
-power that nvidia-smi reports before each trace (read only). --no-overlap: moe_fuse's weight
-gradients on one stream. --paced: whether the card slows down under sustained load (power, clocks).
+power that nvidia-smi reports before each trace (read only). --no-overlap: the all-Triton backward's
+weight gradients on one stream (the grouped_mm path always uses one). --paced: whether the card
+slows down under sustained load (power, clocks).
 """
 
 import argparse
@@ -87,7 +88,7 @@ def host_check(step, n=20):
             step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message)})
+    syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught if "called a synchronizing" in str(w.message)})
     return (t1 - t0) * 1e3 / n, start.elapsed_time(end) / n, syncs
 
 

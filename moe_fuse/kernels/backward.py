@@ -877,8 +877,8 @@ def check_saved_h(h, S: int, w_gate_up) -> None:
         )
 
 
-# dW_gate_up on a second CUDA stream, concurrent with dx and dW_down (bench/KERNELS_NOTES.md, backward);
-# grouped_mm_path.py follows the same switch.
+# dW_gate_up on a second CUDA stream, concurrent with dx and dW_down (bench/KERNELS_NOTES.md, backward).
+# grouped_mm_path.py runs on one stream (its CUTLASS GEMMs each fill the GPU).
 OVERLAP_WGRAD = True
 _SIDE_STREAMS: dict = {}
 

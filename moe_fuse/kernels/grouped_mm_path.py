@@ -31,8 +31,7 @@ import torch
 import triton.language as tl
 
 from ._jit import cdiv, interpreting, lazy_jit
-from . import backward
-from .backward import check_saved_h, dswiglu, side_stream
+from .backward import check_saved_h, dswiglu
 from .permute import combine_sorted, expand_rows
 from .routing import Routing, route
 
@@ -149,24 +148,15 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     g = torch._grouped_mm(dys, w_down, offs=ends)  # [S, I]
     dh, aw, d_weights = dswiglu(g, h, weights.reshape(-1).contiguous(), routing, weights.dtype)
     del g
-    dev = x.device
-    side = side_stream(dev) if backward.OVERLAP_WGRAD and dev.type == "cuda" else None
-    main = torch.cuda.current_stream(dev) if side is not None else None
-    if side is not None:
-        # dW_gate_up needs only d_h and the sorted rows, both queued above: it runs on a second stream
-        # beside dx and dW_down. This stream waits for it before returning, so none of its inputs is
-        # freed or reused while it runs.
-        side.wait_stream(main)
-    with torch.cuda.stream(side):  # None: stay on the current stream
-        d_wgu = torch._grouped_mm(dh.t(), xs, offs=ends)
-    if side is not None:
-        d_wgu.record_stream(main)  # allocated on the side stream, used (and freed) on this one
+    # One stream: each CUTLASS GEMM fills every SM, so a weight-gradient GEMM on a second stream only
+    # starts when the one before it ends (bench/results/trace_layer_paced_2026-11-30.log); layer steps
+    # measured the same with and without (bench/PERF_LOG.md).
     o = torch._grouped_mm(dh, w_gate_up, offs=ends)  # [S, H]
     dx = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
     del o
+    d_wgu = torch._grouped_mm(dh.t(), xs, offs=ends)
+    del dh
     d_wd = torch._grouped_mm(dys.t(), aw, offs=ends)
-    if side is not None:
-        main.wait_stream(side)
     return dx, d_weights.view(T, k), d_wgu, d_wd
 
 
