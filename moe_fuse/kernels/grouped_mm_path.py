@@ -2,11 +2,11 @@
 
 Where it applies (CUDA sm90+, everything bf16, 16-byte rows), CUTLASS's grouped GEMMs on contiguous,
 expert-sorted operands run at ~640 TFLOP/s on an H200, against 500-600 for our Triton GEMMs that
-gather their rows inside the A-load (bench/KERNELS_NOTES.md). The price is the gathered copies of x
-(kept from the forward for the backward, with h [S, 2I] and the routing) and of dy, [S, H] each, in
-memory. The Triton kernels keep
-what a GEMM library does not do: the routing, SwiGLU, the dSwiGLU pass with the routing-weight
-gradient, and fixed-order combines. ``kernels.experts_forward`` takes this path only when h is kept
+gather their rows inside the A-load (bench/KERNELS_NOTES.md). The price is the expert-sorted copies
+of x (kept from the forward for the backward, with h [S, 2I] and the routing) and of dy, [S, H]
+each, in memory. The Triton kernels keep what a GEMM library does not do: the routing, the sorted
+copies (``permute.expand_rows``), SwiGLU, the dSwiGLU pass with the routing-weight gradient, and
+fixed-order combines. ``kernels.experts_forward`` takes this path only when h is kept
 for the backward anyway (``save_h``); without, the fused Triton forward never writes h and is faster
 on the 30B layer.
 
