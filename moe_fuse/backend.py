@@ -9,8 +9,12 @@ backend. Registered through the ``torch_dynamo_backends`` entry point.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -65,18 +69,48 @@ def parse_options(options: dict | None) -> tuple[Options, dict]:
     return Options(inner, os.fspath(debug_dir) if debug_dir else None, verify, causal_sdpa, ep_chunks), rest
 
 
+# The files that define moe_fuse's ops: their schemas and autograd formulas decide what a compiled
+# backward graph calls.
+_OP_SOURCES = ("ops.py", "router_ops.py", "parallel/ep_ops.py")
+
+
+@functools.cache
+def cache_tag() -> str:
+    """``moe_fuse-<hash of _OP_SOURCES>``, added to torch.compile's cache keys around the inner compile.
+
+    AOTAutograd's cache keys a compiled forward + backward by the forward graph, and the rewritten
+    forward graph calls our ops the same way across versions while their backward may change (a
+    new saved output, say). Without the tag, a graph cached by an older moe_fuse would run its old
+    backward against the new ops (seen: "experts_backward() is missing value for argument 'xs'").
+    """
+    digest = hashlib.sha256()
+    root = Path(__file__).parent
+    for name in _OP_SOURCES:
+        digest.update((root / name).read_bytes())
+    return "moe_fuse-" + digest.hexdigest()[:16]
+
+
+def _tagged_caches():
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):  # torch without the knob: nothing to tag
+        return contextlib.nullcontext()
+    user_tag = config.cache_key_tag
+    return config.patch(cache_key_tag=f"{user_tag}+{cache_tag()}" if user_tag else cache_tag())
+
+
 def inner_compile(gm, example_inputs, opts: Options, mode: str | None, inductor_options: dict):
     if opts.inner == "eager":
         return gm.forward
-    if opts.inner == "aot_eager":
-        from torch._dynamo.backends.registry import lookup_backend
+    with _tagged_caches():
+        if opts.inner == "aot_eager":
+            from torch._dynamo.backends.registry import lookup_backend
 
-        return lookup_backend("aot_eager")(gm, example_inputs)
-    from torch._inductor import list_mode_options
-    from torch._inductor.compile_fx import compile_fx
+            return lookup_backend("aot_eager")(gm, example_inputs)
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
 
-    config = {**(list_mode_options(mode) if mode else {}), **inductor_options}
-    return compile_fx(model_=gm, example_inputs_=example_inputs, config_patches=config or None)
+        config = {**(list_mode_options(mode) if mode else {}), **inductor_options}
+        return compile_fx(model_=gm, example_inputs_=example_inputs, config_patches=config or None)
 
 
 def moe_fuse_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):

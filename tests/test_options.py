@@ -60,3 +60,27 @@ def test_mode_needs_inductor():
 
     with pytest.raises(ValueError, match="mode='max-autotune' is an Inductor mode, but moe_fuse.inner='eager'"):
         moe_fuse_backend(None, [], mode="max-autotune", options={"moe_fuse.inner": "eager"})
+
+
+@pytest.mark.parametrize("user_tag", ["", "mine"])
+def test_inner_compile_tags_the_compile_caches(monkeypatch, user_tag):
+    """A graph cached by another moe_fuse version (other op schemas) must not be reused: the inner
+    compile runs with our tag in torch.compile's cache keys, after the user's own, and restores it."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    from moe_fuse import backend
+
+    seen = []
+
+    def fake_compile_fx(model_, example_inputs_, config_patches=None):
+        seen.append(torch.compiler.config.cache_key_tag)
+        return model_.forward
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", fake_compile_fx)
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    with torch.compiler.config.patch(cache_key_tag=user_tag):
+        backend.inner_compile(gm, [torch.randn(2)], Options(), None, {})
+        assert torch.compiler.config.cache_key_tag == user_tag
+    tag = backend.cache_tag()
+    assert tag.startswith("moe_fuse-") and len(tag) == len("moe_fuse-") + 16
+    assert seen == [f"{user_tag}+{tag}" if user_tag else tag]
