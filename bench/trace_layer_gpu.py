@@ -8,22 +8,82 @@ the card's state), one step is traced with torch.profiler and every CUDA kernel 
 start offset, duration, stream, name. GEMM sums per backend at the end. Also prints the SM clock and
 power that nvidia-smi reports before each trace (read only). --no-overlap: the all-Triton backward's
 weight gradients on one stream (the grouped_mm path always uses one). --paced: whether the card
-slows down under sustained load (power, clocks).
+slows down under sustained load (power, clocks). --power: each backend's step run back to back
+with nvidia-smi samples of the SM clock, power and whether the software power cap is active.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from layer_bench import SHAPES, build_block, ensure_moe_fuse_backend  # noqa: E402
+from layer_bench import SHAPES, build_block, ensure_moe_fuse_backend, gemms_setup  # noqa: E402
+
+
+class PowerSampler:
+    """nvidia-smi every 100 ms in the background (read only): SM clock, power draw, power limit and the
+    active clock-event reasons (bit 0x4: software power cap)."""
+
+    QUERY = "clocks.sm,power.draw,enforced.power.limit,clocks_event_reasons.active"
+
+    def __enter__(self):
+        self.rows = []
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits", "-lms", "100"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        self.thread = threading.Thread(target=lambda: self.rows.extend(iter(self.proc.stdout.readline, "")))
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.thread.join(timeout=5)
+
+    def summary(self, skip_s=1.0) -> str:
+        """Medians over the samples after the first skip_s seconds (the card warming to its limit)."""
+        vals = []
+        for row in self.rows[int(skip_s * 10):]:
+            try:
+                mhz, watts, limit, reasons = (v.strip() for v in row.split(","))
+                vals.append((float(mhz), float(watts), float(limit), int(reasons, 16)))
+            except ValueError:
+                continue
+        if not vals:
+            return "no nvidia-smi samples"
+        med = lambda i: statistics.median(v[i] for v in vals)  # noqa: E731
+        capped = sum(1 for v in vals if v[3] & 0x4) / len(vals)
+        return (f"{len(vals)} samples: SM clock median {med(0):.0f} MHz (min {min(v[0] for v in vals):.0f}), "
+                f"power median {med(1):.0f} W of a {med(2):.0f} W limit, software power cap active in "
+                f"{capped:.0%} of them")
+
+
+def sustained(step, seconds=4.0, idle_first=True):
+    """ms per step over ``seconds`` of steps issued back to back, with PowerSampler's summary."""
+    import time
+
+    step()
+    torch.cuda.synchronize()
+    if idle_first:
+        time.sleep(1.0)  # start from an idle card
+    with PowerSampler() as smp:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(10):
+                step()
+            n += 10
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3 / n
+    return ms, smp.summary()
 
 
 def smi():
@@ -99,6 +159,12 @@ def main():
     ap.add_argument("--order", default="inductor,moe_fuse,inductor,moe_fuse")
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--paced", action="store_true", help="also: kernel spans back to back vs with idle gaps")
+    ap.add_argument("--sustain", type=float, default=0.0,
+                    help="run each step back to back this many seconds right before its trace (the card at its "
+                         "power limit)")
+    ap.add_argument("--power", action="store_true",
+                    help="only: each backend's step (and 'gemms', the six grouped GEMMs alone) for 4 s back to "
+                         "back, with SM clock, power and power-cap samples")
     args = ap.parse_args()
     ensure_moe_fuse_backend()
     if args.no_overlap:
@@ -109,20 +175,36 @@ def main():
     x = torch.randn(1, args.tokens, SHAPES[args.shape][0], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     params = [x, *block.parameters()]
+    if args.power:
+        run, xs, a, w1, w2, _ = gemms_setup(block, args.tokens, "cuda", torch.bfloat16, True)
+        outs = run()
+        gs = [torch.randn_like(o) for o in outs]
+        leaves = [xs, a, block.experts.gate_up_proj, block.experts.down_proj]
+
+        def gemms_step():  # the layer's six grouped GEMMs (forward and backward), nothing else
+            for p in leaves:
+                p.grad = None
+            torch.autograd.backward(list(run()), gs)
+
+        compiled = {"gemms": gemms_step}
+        for name in args.order.split(","):
+            if name not in compiled:
+                compiled[name] = _layer_step(torch.compile(block, backend=name), x, dy, params)
+            step = compiled[name]
+            med = do_bench(step, warmup=20, rep=200, return_mode="median")
+            ms, summary = sustained(step)
+            print(f"== {name}: do_bench median {med:.3f} ms; {ms:.3f} ms/step over 4 s; {summary}", flush=True)
+        return
     compiled = {}
     for name in args.order.split(","):
         fn = compiled.setdefault(name, torch.compile(block, backend=name))
-
-        def step(fn=fn):
-            for p in params:
-                p.grad = None
-            out = fn(x)
-            out = out[0] if isinstance(out, tuple) else out
-            out.backward(dy)
+        step = _layer_step(fn, x, dy, params)
 
         ms = do_bench(step, warmup=20, rep=200, return_mode="median")
         enq, period, syncs = host_check(step)
         print(f"== {name}: host enqueue {enq:.3f} ms/step, back-to-back period {period:.3f} ms/step, syncs: {syncs}")
+        if args.sustain:
+            sustained(step, args.sustain, idle_first=False)
         before = smi()
         kernels = trace_kernels(step)
         t0 = kernels[0]["ts"]
@@ -140,8 +222,22 @@ def main():
             # Kernel spans of 12 steps issued back to back, then of 12 with the GPU idle 50 ms between
             # steps: if the back-to-back ones are longer, the card slows down under sustained load.
             for label, idle in (("back to back", 0.0), ("50 ms idle between", 50.0)):
-                spans = [span_ms(k) for k in trace_kernels(step, iters=12, idle_ms=idle, every=True)]
-                print(f"  kernel span per step, {label}: " + " ".join(f"{v:.2f}" for v in spans))
+                steps = trace_kernels(step, iters=12, idle_ms=idle, every=True)
+                print(f"  kernel span per step, {label}: " + " ".join(f"{span_ms(k):.2f}" for k in steps))
+                if not idle:  # the GPU idle between one step's last kernel and the next one's first
+                    gaps = [(b[0]["ts"] - a[-1]["ts"] - a[-1]["dur"]) / 1e3 for a, b in zip(steps, steps[1:])]
+                    print("  idle between steps, back to back: " + " ".join(f"{v:.2f}" for v in gaps))
+
+
+def _layer_step(fn, x, dy, params):
+    def step():
+        for p in params:
+            p.grad = None
+        out = fn(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(dy)
+
+    return step
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Probe: power and energy of the grouped_mm path's bandwidth-bound passes, against a plain copy.
+
+    PYTHONPATH=. python3 bench/probe_glue_energy_gpu.py [--case 30b:16384] [--seconds 3]
+
+On the H200 the layer step runs at the 700 W power limit (trace_layer_gpu.py --power), so a step
+takes about its energy / 700 W, and a pass that draws more power than it needs takes clock away from
+the GEMMs. Each pass runs back to back for --seconds with nvidia-smi sampling: ms per call, median
+power, energy per call (ms x W), and J per GB of memory traffic, beside torch's copy of the same
+number of bytes and one CUTLASS GEMM of the layer.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+from check_kernels_gpu import make_tokens, make_weights  # noqa: E402
+from moe_fuse.kernels import route  # noqa: E402
+from moe_fuse.kernels.backward import dswiglu  # noqa: E402
+from moe_fuse.kernels.grouped_mm_path import swiglu  # noqa: E402
+from moe_fuse.kernels.permute import combine_sorted, expand_rows  # noqa: E402
+from trace_layer_gpu import PowerSampler  # noqa: E402
+
+LAYERS = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}
+
+
+def run_for(fn, seconds):
+    fn()
+    torch.cuda.synchronize()
+    time.sleep(1.0)
+    with PowerSampler() as smp:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(20):
+                fn()
+            n += 20
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3 / n
+    watts = []
+    for row in smp.rows[10:]:  # after the first second
+        try:
+            watts.append(float(row.split(",")[1]))
+        except (ValueError, IndexError):
+            pass
+    return ms, statistics.median(watts) if watts else float("nan"), smp.summary()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", default="30b:16384")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    layer, T = args.case.split(":")
+    T = int(T)
+    H, I, E, k = LAYERS[layer]
+    S = T * k
+    gen = torch.Generator(device=dev).manual_seed(0)
+    wgu, wd = make_weights(H, I, E, torch.bfloat16, dev, gen)
+    x, ids, weights = make_tokens(T, H, E, k, "balanced", torch.bfloat16, dev, gen)
+    r = route(ids, E)
+    ends = r.offsets[1:]
+    pos = r.pos.view(T, k)
+    xs = expand_rows(x, pos)
+    h = torch._grouped_mm(xs, wgu.transpose(1, 2), offs=ends)
+    g = torch.randn(S, I, device=dev, dtype=torch.bfloat16, generator=gen)
+    rw = weights.reshape(-1).contiguous()
+    o = torch.randn(S, H, device=dev, dtype=torch.bfloat16, generator=gen)
+    src = torch.randn(S * H // 2, device=dev, dtype=torch.bfloat16, generator=gen)
+    dst = torch.empty_like(src)
+    b2 = 2  # bytes per bf16
+    cases = [
+        # label, fn, bytes moved
+        ("torch copy_ (0.27 + 0.27 GB)", lambda: dst.copy_(src), 2 * src.numel() * b2),
+        ("expand_rows", lambda: expand_rows(x, pos), (T + S) * H * b2),
+        ("swiglu", lambda: swiglu(h, r), S * 3 * I * b2),
+        ("combine (weighted)", lambda: combine_sorted(o, pos, weights, x.dtype, ids=ids, num_experts=E),
+         (S + T) * H * b2),
+        ("dswiglu (writes aw)", lambda: dswiglu(g, h, rw, r, weights.dtype), S * 6 * I * b2),
+        ("dswiglu (no aw)", lambda: dswiglu(g, h, rw, r, weights.dtype, write_aw=False), S * 5 * I * b2),
+        ("gate_up GEMM (CUTLASS)", lambda: torch._grouped_mm(xs, wgu.transpose(1, 2), offs=ends), 0),
+    ]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {layer} T={T}", flush=True)
+    for label, fn, nbytes in cases:
+        ms, watts, summary = run_for(fn, args.seconds)
+        joules = ms * watts / 1e3
+        per_gb = f"{joules / (nbytes / 1e9):6.3f} J/GB  {nbytes / ms / 1e9:5.2f} TB/s" if nbytes else ""
+        print(f"  {label:30s} {ms:7.3f} ms  {watts:5.0f} W  {joules * 1e3:7.1f} mJ/call  {per_gb}\n"
+              f"      {summary}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
