@@ -7,7 +7,8 @@ On the H200 the layer step runs at the 700 W power limit (trace_layer_gpu.py --p
 takes about its energy / 700 W, and a pass that draws more power than it needs takes clock away from
 the GEMMs. Each pass runs back to back for --seconds with nvidia-smi sampling: ms per call, median
 power, energy per call (ms x W), and J per GB of memory traffic, beside torch's copy of the same
-number of bytes and one CUTLASS GEMM of the layer.
+number of bytes and one CUTLASS GEMM of the layer. (The run in
+bench/results/probe_glue_energy_2026-12-01.log, at 89eeb84, also timed dSwiGLU without its aw output.)
 """
 from __future__ import annotations
 
@@ -86,7 +87,6 @@ def main():
         ("combine (weighted)", lambda: combine_sorted(o, pos, weights, x.dtype, ids=ids, num_experts=E),
          (S + T) * H * b2),
         ("dswiglu (writes aw)", lambda: dswiglu(g, h, rw, r, weights.dtype), S * 6 * I * b2),
-        ("dswiglu (no aw)", lambda: dswiglu(g, h, rw, r, weights.dtype, write_aw=False), S * 5 * I * b2),
         ("gate_up GEMM (CUTLASS)", lambda: torch._grouped_mm(xs, wgu.transpose(1, 2), offs=ends), 0),
     ]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {layer} T={T}", flush=True)

@@ -289,47 +289,41 @@ def _dswiglu_kernel(
     order_ptr,  # [S] int32
     offsets_ptr,  # [E + 1] int32; offsets[E] = routed rows
     dh_ptr,  # [S, 2I] out, sorted order
-    aw_ptr,  # [S, I] out, sorted order (WRITE_AW)
+    aw_ptr,  # [S, I] out, sorted order
     dw_ptr,  # [S] out, by row: d_weights = sum_i g * silu(gate) * up
     S,
     I,
     E,
-    WRITE_AW: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
     """Per routed row p (sorted order): d_h = dSwiGLU(w * g), aw = w * a, d_weights = sum(g * a); fp32 math.
 
     Whole rows per program, so the d_weights row sum is one fixed-order reduction (no partials).
-    Sentinel rows (past offsets[E]) get d_weights = 0 and nothing else. Each program walks row blocks
-    pid, pid + grid, ...: a small grid keeps the pass on a few SMs beside a GEMM (``dswiglu``'s programs).
+    Sentinel rows (past offsets[E]) get d_weights = 0 and nothing else.
     """
-    routed_rows = tl.load(offsets_ptr + E)
-    for blk in range(tl.program_id(0), tl.cdiv(S, BLOCK_R), tl.num_programs(0)):
-        p = blk * BLOCK_R + tl.arange(0, BLOCK_R)
-        in_s = p < S
-        routed = p < routed_rows
-        src = tl.load(order_ptr + p, mask=in_s, other=0)
-        w = tl.load(rw_ptr + src, mask=routed, other=0.0).to(tl.float32)[:, None]
-        p64 = p.to(tl.int64)[:, None]
-        dw = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for i0 in range(0, I, BLOCK_I):
-            i = i0 + tl.arange(0, BLOCK_I)
-            mask = routed[:, None] & (i < I)[None, :]
-            g = tl.load(g_ptr + p64 * I + i[None, :], mask=mask, other=0.0).to(tl.float32)
-            gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(gate)
-            act = gate * sig  # silu(gate)
-            a = act * up
-            dw += tl.sum(g * a, axis=1)
-            d_a = w * g
-            d_gate = d_a * up * sig * (1.0 + gate * (1.0 - sig))
-            tl.store(dh_ptr + p64 * (2 * I) + i[None, :], d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
-            tl.store(dh_ptr + p64 * (2 * I) + I + i[None, :], (d_a * act).to(dh_ptr.dtype.element_ty), mask=mask)
-            if WRITE_AW:
-                tl.store(aw_ptr + p64 * I + i[None, :], (w * a).to(aw_ptr.dtype.element_ty), mask=mask)
-        tl.store(dw_ptr + src, dw.to(dw_ptr.dtype.element_ty), mask=in_s)
+    p = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_s = p < S
+    routed = p < tl.load(offsets_ptr + E)
+    src = tl.load(order_ptr + p, mask=in_s, other=0)
+    w = tl.load(rw_ptr + src, mask=routed, other=0.0).to(tl.float32)[:, None]
+    p64 = p.to(tl.int64)[:, None]
+    dw = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        mask = routed[:, None] & (i < I)[None, :]
+        g = tl.load(g_ptr + p64 * I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        act = gate * sig  # silu(gate)
+        a = act * up
+        dw += tl.sum(g * a, axis=1)
+        d_a = w * g
+        tl.store(dh_ptr + p64 * (2 * I) + i[None, :], (d_a * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dh_ptr + p64 * (2 * I) + I + i[None, :], (d_a * act).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(aw_ptr + p64 * I + i[None, :], (w * a).to(aw_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_ptr + src, dw.to(dw_ptr.dtype.element_ty), mask=in_s)
 
 
 @lazy_jit
@@ -631,26 +625,20 @@ def dgrad_saved(dy, routing: Routing, rw, h, w_down, top_k: int, weights_dtype, 
     return dswiglu(g, h, rw, routing, weights_dtype)
 
 
-def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True, programs: int | None = None):
-    """(d_h [S, 2I], aw [S, I] or None, d_weights [S] by row) from g = dy[tok] @ W_down[e] and the saved h,
-    sorted order.
+def dswiglu(g, h, rw, routing: Routing, weights_dtype):
+    """(d_h [S, 2I], aw [S, I], d_weights [S] by row) from g = dy[tok] @ W_down[e] and the saved h, sorted order.
 
-    Rows past offsets[E] (sentinels): d_weights 0, d_h and aw not written. write_aw False: the caller
-    has aw already (the forward kept it). programs: at most this many programs (each one 16 warps,
-    walking row blocks), to leave the other SMs to a GEMM on another stream; None: one per row block.
+    Rows past offsets[E] (sentinels): d_weights 0, d_h and aw not written.
     """
     S, I = g.shape
     dh = torch.empty(S, 2 * I, dtype=g.dtype, device=g.device)
-    aw = torch.empty(S, I, dtype=g.dtype, device=g.device) if write_aw else None
+    aw = torch.empty(S, I, dtype=g.dtype, device=g.device)
     d_weights = torch.empty(S, dtype=weights_dtype, device=g.device)
     block_r = 4 if interpreting() else 16
     block_i = 32 if interpreting() else 128
-    blocks = cdiv(S, block_r)
-    grid = blocks if programs is None else max(1, min(programs, blocks))
-    _dswiglu_kernel[(grid,)](
-        g, h, rw, routing.order, routing.offsets, dh, aw if write_aw else dh, d_weights, S, I,
-        routing.counts.numel(), WRITE_AW=write_aw, BLOCK_R=block_r, BLOCK_I=block_i,
-        num_warps=4 if programs is None else 16,
+    _dswiglu_kernel[(cdiv(S, block_r),)](
+        g, h, rw, routing.order, routing.offsets, dh, aw, d_weights, S, I, routing.counts.numel(),
+        BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
     )
     return dh, aw, d_weights
 

@@ -27,9 +27,6 @@ zero weight gradients. Every step is deterministic (no atomics, no split-K).
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import torch
 import triton.language as tl
 
@@ -96,24 +93,6 @@ def swiglu(h: torch.Tensor, routing: Routing) -> torch.Tensor:
     block_r, block_i = (4, 32) if interpreting() else (16, 128)
     _swiglu_kernel[(cdiv(S, block_r),)](h, a, routing.offsets, S, I, E, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4)
     return a
-
-
-@contextlib.contextmanager
-def sm_carveout(n: int):
-    """CUTLASS grouped GEMMs (and cuBLAS) launched inside use all SMs but ``n``.
-
-    torch._grouped_mm sizes its persistent grid from the SM count minus this carve-out, read at launch,
-    so a bandwidth-bound pass on another stream gets ``n`` SMs of its own instead of waiting for the
-    GEMM. A process-wide torch setting: restored on exit.
-    """
-    before = torch._C._get_sm_carveout_experimental()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*SM carveout.*")
-        torch._C._set_sm_carveout_experimental(n)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(before)
 
 
 def _gate_up(xs, w_gate_up, ends):

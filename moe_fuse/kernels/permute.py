@@ -47,27 +47,23 @@ def _combine_sorted_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    # Tiles [BLOCK_T tokens, BLOCK_H columns], H-tiles fastest; each program walks tiles pid, pid + grid, ...
-    # (a small grid keeps the pass on a few SMs beside a GEMM on another stream).
-    h_tiles = tl.cdiv(H, BLOCK_H)
-    for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * h_tiles, tl.num_programs(0)):
-        t = (tile // h_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
-        h = (tile % h_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
-        t_ok = t < T
-        mask = t_ok[:, None] & (h < H)[None, :]
-        slot = t.to(tl.int64) * TOP_K
-        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            p = tl.load(pos_ptr + slot + j, mask=t_ok, other=0).to(tl.int64)
-            live = mask
-            if SENTINELS:
-                live = live & (tl.load(ids_ptr + slot + j, mask=t_ok, other=E) < E)[:, None]
-            r = tl.load(rows_ptr + p[:, None] * H + h[None, :], mask=live, other=0.0).to(tl.float32)
-            if WEIGHTED:
-                w = tl.load(w_ptr + slot + j, mask=t_ok, other=0.0).to(tl.float32)
-                r = (r * w[:, None]).to(PROD_DTYPE).to(tl.float32)
-            acc += r
-        tl.store(y_ptr + t.to(tl.int64)[:, None] * H + h[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_ok = t < T
+    mask = t_ok[:, None] & (h < H)[None, :]
+    slot = t.to(tl.int64) * TOP_K
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = tl.load(pos_ptr + slot + j, mask=t_ok, other=0).to(tl.int64)
+        live = mask
+        if SENTINELS:
+            live = live & (tl.load(ids_ptr + slot + j, mask=t_ok, other=E) < E)[:, None]
+        r = tl.load(rows_ptr + p[:, None] * H + h[None, :], mask=live, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            w = tl.load(w_ptr + slot + j, mask=t_ok, other=0.0).to(tl.float32)
+            r = (r * w[:, None]).to(PROD_DTYPE).to(tl.float32)
+        acc += r
+    tl.store(y_ptr + t.to(tl.int64)[:, None] * H + h[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @lazy_jit
@@ -160,12 +156,10 @@ def _prod_dtype(rows, weights):
 
 
 def combine_sorted(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None, out_dtype, *,
-                   ids: torch.Tensor | None = None, num_experts: int = 0, programs: int | None = None) -> torch.Tensor:
+                   ids: torch.Tensor | None = None, num_experts: int = 0) -> torch.Tensor:
     """y [T, H] = sum_j weights[t, j] * rows[pos[t*k + j]]; pos [T, k] (int32 or int64), weights [T, k] or None.
 
     ids [T, k]: slots with ids >= num_experts are left out (their rows may hold anything).
-    programs: at most this many programs (16 warps each), to leave the other SMs to a GEMM on another
-    stream; None: one program per tile.
     """
     T, k = pos.shape
     H = rows.shape[1]
@@ -183,12 +177,9 @@ def combine_sorted(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor 
     prod = getattr(tl, str(_prod_dtype(rows, weights)).removeprefix("torch."))
     w = weights.contiguous() if weights is not None else pos  # not read unless WEIGHTED
     live = ids.contiguous() if ids is not None else pos  # not read unless SENTINELS
-    tiles = cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H)
-    grid = tiles if programs is None else max(1, min(programs, tiles))
-    _combine_sorted_kernel[(grid,)](
+    _combine_sorted_kernel[(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))](
         rows, pos.contiguous(), w, live, y, T, H, num_experts, TOP_K=k, WEIGHTED=weights is not None,
-        SENTINELS=ids is not None, PROD_DTYPE=prod, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
-        num_warps=4 if programs is None else 16,
+        SENTINELS=ids is not None, PROD_DTYPE=prod, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, num_warps=4,
     )
     return y
 
