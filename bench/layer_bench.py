@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo's moe_fuse wins, installed or not
 
+from power import PowerSampler  # noqa: E402
 from provenance import code_version  # noqa: E402  (bench/ is this script's directory)
 
 import torch
@@ -49,11 +50,15 @@ def rel_err(out, ref, chunk=1 << 26):
     return math.sqrt(num) / max(math.sqrt(den), 1e-30)  # NaN stays NaN: "not err <= TOL" -> FAIL
 
 
-def bench(fn, dev, quick, grad_to_none=None):
-    """Median ms (and p20/p80). CUDA: triton do_bench (events, warm-up, L2 flush)."""
+def bench(fn, dev, quick, grad_to_none=None, row=None):
+    """Median ms (and p20/p80). CUDA: triton do_bench (events, warm-up, L2 flush); with ``row``, also
+    row["power"] = nvidia-smi's SM clock, power and power-cap share while it ran (bench/power.py)."""
     if dev.type == "cuda":
-        q = triton.testing.do_bench(fn, warmup=25 if quick else 100, rep=100 if quick else 500,
-                                    grad_to_none=grad_to_none, quantiles=[0.2, 0.5, 0.8])
+        with PowerSampler(skip_s=0.2) as smp:
+            q = triton.testing.do_bench(fn, warmup=25 if quick else 100, rep=100 if quick else 500,
+                                        grad_to_none=grad_to_none, quantiles=[0.2, 0.5, 0.8])
+        if row is not None and smp.stats():
+            row["power"] = smp.stats()
         return q[1], q[0], q[2]
     ts = []
     for i in range(2 + (5 if quick else 10)):
@@ -168,7 +173,7 @@ def run_gemms(block, T, dev, dtype, args, row_f, row_b):
         row_f["check_err"] = max(rel_err(o, r) for o, r in zip(out, ref))
         run, *_ = gemms_setup(block, T, dev, dtype, False)
         fwd = lambda: run()
-        row_f["ms"], row_f["p20"], row_f["p80"] = bench(fwd, dev, args.quick)
+        row_f["ms"], row_f["p20"], row_f["p80"] = bench(fwd, dev, args.quick, row=row_f)
         row_f["mem_mb"] = peak_mem_mb(fwd, dev)
     if row_b is None:
         return
@@ -180,7 +185,7 @@ def run_gemms(block, T, dev, dtype, args, row_f, row_b):
     row_b["grad_err"] = max(rel_err(o, r) for o, r in zip(got, want))
     leaves = [xs, a] + params
     step = lambda: torch.autograd.backward(list(run()), gs)
-    row_b["ms"], row_b["p20"], row_b["p80"] = bench(step, dev, args.quick, grad_to_none=leaves)
+    row_b["ms"], row_b["p20"], row_b["p80"] = bench(step, dev, args.quick, grad_to_none=leaves, row=row_b)
     row_b["mem_mb"] = peak_mem_mb(step, dev, leaves)
     for p in leaves:
         p.grad = None
@@ -205,7 +210,7 @@ def run_block_variant(name, block, T, dev, dtype, args, row_f, row_b):
         del out, ref
         x = rand()
         fwd = lambda: fn(x)
-        row_f["ms"], row_f["p20"], row_f["p80"] = bench(fwd, dev, args.quick)
+        row_f["ms"], row_f["p20"], row_f["p80"] = bench(fwd, dev, args.quick, row=row_f)
         row_f["mem_mb"] = peak_mem_mb(fwd, dev)
     if row_b is not None:
         run_block_backward(fn, compiled, block, rand, dev, args, row_b)
@@ -235,7 +240,7 @@ def run_block_backward(fn, compiled, block, rand, dev, args, row_b):
     x, g = rand().requires_grad_(True), rand()
     leaves = [x] + params
     step = lambda: (fn(x) * g).sum().backward()
-    row_b["ms"], row_b["p20"], row_b["p80"] = bench(step, dev, args.quick, grad_to_none=leaves)
+    row_b["ms"], row_b["p20"], row_b["p80"] = bench(step, dev, args.quick, grad_to_none=leaves, row=row_b)
     row_b["mem_mb"] = peak_mem_mb(step, dev, leaves)
     for p in leaves:
         p.grad = None
@@ -314,7 +319,11 @@ def fmt_row_short(r):
         return f"{r['status']}: {r.get('error') or r.get('note')}"
     e = lambda v: "-" if v is None else f"{v:.1e}"
     s = f"{r['status']:4s} {r['ms']:9.3f} ms  err {e(r.get('check_err'))}  grad err {e(r.get('grad_err'))}"
-    return s + (f"  compile {r['compile_s']:.1f}s" if r.get("compile_s") else "")
+    s += f"  compile {r['compile_s']:.1f}s" if r.get("compile_s") else ""
+    if r.get("power"):  # the card at its power limit runs slower clocks: read the figure with this
+        p = r["power"]
+        s += f"  [{p['sm_mhz']:.0f} MHz, {p['watts']:.0f} W, power cap {p['capped']:.0%}]"
+    return s
 
 
 def derive(rows, peak):

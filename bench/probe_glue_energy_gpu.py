@@ -13,7 +13,6 @@ bench/results/probe_glue_energy_2026-12-01.log, at 89eeb84, also timed dSwiGLU w
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from moe_fuse.kernels import route  # noqa: E402
 from moe_fuse.kernels.backward import dswiglu  # noqa: E402
 from moe_fuse.kernels.grouped_mm_path import swiglu  # noqa: E402
 from moe_fuse.kernels.permute import combine_sorted, expand_rows  # noqa: E402
-from trace_layer_gpu import PowerSampler  # noqa: E402
+from power import PowerSampler  # noqa: E402
 
 LAYERS = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}
 
@@ -38,7 +37,7 @@ def run_for(fn, seconds):
     fn()
     torch.cuda.synchronize()
     time.sleep(1.0)
-    with PowerSampler() as smp:
+    with PowerSampler(skip_s=1.0) as smp:
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             for _ in range(20):
@@ -46,13 +45,7 @@ def run_for(fn, seconds):
             n += 20
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3 / n
-    watts = []
-    for row in smp.rows[10:]:  # after the first second
-        try:
-            watts.append(float(row.split(",")[1]))
-        except (ValueError, IndexError):
-            pass
-    return ms, statistics.median(watts) if watts else float("nan"), smp.summary()
+    return ms, smp.stats().get("watts", float("nan")), smp.summary()
 
 
 def main():

@@ -15,11 +15,9 @@ with nvidia-smi samples of the SM clock, power and whether the software power ca
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -27,55 +25,19 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_bench import SHAPES, build_block, ensure_moe_fuse_backend, gemms_setup  # noqa: E402
-
-
-class PowerSampler:
-    """nvidia-smi every 100 ms in the background (read only): SM clock, power draw, power limit and the
-    active clock-event reasons (bit 0x4: software power cap)."""
-
-    QUERY = "clocks.sm,power.draw,enforced.power.limit,clocks_event_reasons.active"
-
-    def __enter__(self):
-        self.rows = []
-        self.proc = subprocess.Popen(
-            ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits", "-lms", "100"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )
-        self.thread = threading.Thread(target=lambda: self.rows.extend(iter(self.proc.stdout.readline, "")))
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        self.thread.join(timeout=5)
-
-    def summary(self, skip_s=1.0) -> str:
-        """Medians over the samples after the first skip_s seconds (the card warming to its limit)."""
-        vals = []
-        for row in self.rows[int(skip_s * 10):]:
-            try:
-                mhz, watts, limit, reasons = (v.strip() for v in row.split(","))
-                vals.append((float(mhz), float(watts), float(limit), int(reasons, 16)))
-            except ValueError:
-                continue
-        if not vals:
-            return "no nvidia-smi samples"
-        med = lambda i: statistics.median(v[i] for v in vals)  # noqa: E731
-        capped = sum(1 for v in vals if v[3] & 0x4) / len(vals)
-        return (f"{len(vals)} samples: SM clock median {med(0):.0f} MHz (min {min(v[0] for v in vals):.0f}), "
-                f"power median {med(1):.0f} W of a {med(2):.0f} W limit, software power cap active in "
-                f"{capped:.0%} of them")
+from power import PowerSampler  # noqa: E402
 
 
 def sustained(step, seconds=4.0, idle_first=True):
-    """ms per step over ``seconds`` of steps issued back to back, with PowerSampler's summary."""
+    """ms per step over ``seconds`` of steps issued back to back, with PowerSampler's summary (after its first
+    second: the card ramping to its limit)."""
     import time
 
     step()
     torch.cuda.synchronize()
     if idle_first:
         time.sleep(1.0)  # start from an idle card
-    with PowerSampler() as smp:
+    with PowerSampler(skip_s=1.0) as smp:
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             for _ in range(10):

@@ -1,0 +1,64 @@
+"""nvidia-smi samples in the background, to read whether a timed GPU loop ran at the power limit.
+
+    with PowerSampler() as smp:
+        ... timed loop ...
+    smp.stats()    # {"sm_mhz": median, "sm_mhz_min", "watts": median, "limit_w", "capped": fraction, "n"}
+    smp.summary()  # the same as one line
+
+Read-only queries (clock, power, enforced power limit, active clock-event reasons; bit 0x4 is the
+software power cap). Where nvidia-smi is missing, stats() is empty and summary() says so.
+"""
+from __future__ import annotations
+
+import statistics
+import subprocess
+import threading
+
+QUERY = "clocks.sm,power.draw,enforced.power.limit,clocks_event_reasons.active"
+SW_POWER_CAP = 0x4
+
+
+class PowerSampler:
+    def __init__(self, period_ms: int = 100, skip_s: float = 0.5):
+        self.period_ms = period_ms
+        self.skip = int(skip_s * 1000 / period_ms)  # the first samples: the card still ramping
+        self.rows: list[str] = []
+        self.proc = None
+
+    def __enter__(self):
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", str(self.period_ms)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )
+        except OSError:
+            return self
+        self.thread = threading.Thread(target=lambda: self.rows.extend(iter(self.proc.stdout.readline, "")))
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.thread.join(timeout=5)
+
+    def stats(self) -> dict:
+        vals = []
+        for row in self.rows[self.skip:]:
+            try:
+                mhz, watts, limit, reasons = (v.strip() for v in row.split(","))
+                vals.append((float(mhz), float(watts), float(limit), int(reasons, 16)))
+            except ValueError:
+                continue
+        if not vals:
+            return {}
+        med = lambda i: statistics.median(v[i] for v in vals)  # noqa: E731
+        return {"sm_mhz": med(0), "sm_mhz_min": min(v[0] for v in vals), "watts": med(1), "limit_w": med(2),
+                "capped": sum(1 for v in vals if v[3] & SW_POWER_CAP) / len(vals), "n": len(vals)}
+
+    def summary(self) -> str:
+        s = self.stats()
+        if not s:
+            return "no nvidia-smi samples"
+        return (f"{s['n']} samples: SM clock median {s['sm_mhz']:.0f} MHz (min {s['sm_mhz_min']:.0f}), power median "
+                f"{s['watts']:.0f} W of a {s['limit_w']:.0f} W limit, software power cap active in {s['capped']:.0%}")
