@@ -107,6 +107,38 @@ def main():
         "wgrad dW_down": lambda: backward.wgrad(dy, True, a, False, routing, E, k, bf),
         "interpreting() x10": lambda: [kernels._jit.interpreting() for _ in range(10)],
     }
+    if dev == "cuda":  # the grouped_mm path (training on sm90+ bf16) and its parts
+        from moe_fuse.kernels import grouped_mm_path as gp
+        from moe_fuse.kernels.permute import combine_sorted, expand_rows
+
+        @torch.library.custom_op("moe_fuse_bench::noop", mutates_args=())
+        def noop(t: torch.Tensor) -> torch.Tensor:
+            return t.new_empty(0)
+
+        noop.register_fake(lambda t: t.new_empty(0))
+        ends = routing.offsets[1:]
+        pos = routing.pos.view(T, k)
+        rows = expand_rows(x, pos)
+        hh = torch._grouped_mm(rows, wgu.transpose(1, 2), offs=ends)
+        g = torch._grouped_mm(rows, wd, offs=ends)
+        rw = weights.reshape(-1).contiguous()
+        path_out = gp.experts_forward(x, ids, weights, wgu, wd, save_h=True, keep_rows=True)
+        cases.update({
+            "custom op, empty body (dispatch)": lambda: ops_bench.noop(x),
+            "F.linear (router logits)": lambda: torch.nn.functional.linear(x, wr),
+            "softmax_topk": lambda: kernels.softmax_topk(logits, k, True, bf),
+            "expand_rows": lambda: expand_rows(x, pos),
+            "torch._grouped_mm (1 call)": lambda: torch._grouped_mm(rows, wgu.transpose(1, 2), offs=ends),
+            "swiglu": lambda: gp.swiglu(hh, routing),
+            "combine_sorted": lambda: combine_sorted(rows, pos, weights, bf, ids=ids, num_experts=E),
+            "dswiglu": lambda: backward.dswiglu(g, hh, rw, routing, bf),
+            "routing_from_buffer": lambda: kernels.routing_from_buffer(kept_routing, T * k, E),
+            "grouped_mm_path.experts_forward": lambda: gp.experts_forward(x, ids, weights, wgu, wd, save_h=True,
+                                                                          keep_rows=True),
+            "grouped_mm_path.experts_backward": lambda: gp.experts_backward(
+                dy, x, ids, weights, wgu, wd, path_out[1], routing=path_out[2], xs=path_out[3]),
+        })
+        ops_bench = torch.ops.moe_fuse_bench
     if args.cprofile:
         import cProfile
         import io

@@ -6,7 +6,8 @@
 
 Variants: hf_grouped_mm (eager reference), hf_inductor (the peer), moe_fuse, moe_fuse_triton (the
 same backend with its all-Triton GEMMs: kernels.grouped_mm_path off), liger (if importable),
-grouped_gemms_only (lower bound). Each is checked against eager on fresh random
+grouped_gemms_only (lower bound); on request hf_inductor_cudagraphs and moe_fuse_cudagraphs (the same
+under mode="reduce-overhead"). Each is checked against eager on fresh random
 inputs before it is timed; an exception becomes an error row. Columns: bench/README.md.
 """
 import argparse, copy, json, math, os, platform, signal, statistics, sys, time, traceback, types
@@ -30,6 +31,8 @@ SHAPES = {  # name: (hidden H, moe_intermediate I, experts E, top-k)
     "tiny": (64, 32, 8, 2),         # --cpu-smoke
 }
 VARIANTS = ["hf_grouped_mm", "hf_inductor", "moe_fuse", "moe_fuse_triton", "liger", "grouped_gemms_only"]
+# On request only (--variants): the two compiled paths under mode="reduce-overhead" (CUDA graphs).
+CUDAGRAPH_VARIANTS = ["hf_inductor_cudagraphs", "moe_fuse_cudagraphs"]
 PEER = "hf_inductor"
 TOL = 2e-2
 
@@ -134,6 +137,17 @@ def liger_block(block):
 
 def make_variant(name, block, dev):
     """-> (callable x -> out, compiled?)"""
+    if name.endswith("_cudagraphs"):  # mode="reduce-overhead": each step replays CUDA graphs
+        backend = "moe_fuse" if name.startswith("moe_fuse") else "inductor"
+        if backend == "moe_fuse":
+            print(f"    moe_fuse backend: {ensure_moe_fuse_backend()}")
+        compiled = torch.compile(block, backend=backend, mode="reduce-overhead", dynamic=False)
+
+        def step(x):
+            torch.compiler.cudagraph_mark_step_begin()  # each call is a new step: earlier outputs may be overwritten
+            return compiled(x)
+
+        return step, True
     if name.startswith("moe_fuse"):
         print(f"    moe_fuse backend: {ensure_moe_fuse_backend()}")
         return torch.compile(block, backend="moe_fuse", dynamic=False), True
@@ -239,7 +253,14 @@ def run_block_backward(fn, compiled, block, rand, dev, args, row_b):
     del got, want, out, ref
     x, g = rand().requires_grad_(True), rand()
     leaves = [x] + params
-    step = lambda: (fn(x) * g).sum().backward()
+
+    def step():
+        # Gradients start at None in every call (do_bench's warm-up calls do not reset them): under CUDA
+        # graphs a gradient kept from the last call lives in a replayed graph's output buffer.
+        for t in leaves:
+            t.grad = None
+        (fn(x) * g).sum().backward()
+
     row_b["ms"], row_b["p20"], row_b["p80"] = bench(step, dev, args.quick, grad_to_none=leaves, row=row_b)
     row_b["mem_mb"] = peak_mem_mb(step, dev, leaves)
     for p in leaves:
@@ -267,6 +288,10 @@ def run_case(shape, T, dev, dtype, args, rows):
         rf, rb = by_mode["fwd"], by_mode.get("fwd+bwd")
         case_rows = [r for r in (rf, rb) if r is not None]
         no_triton = dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+        if name in CUDAGRAPH_VARIANTS and dev.type != "cuda":
+            print(f"  {name:20s} skipped: needs CUDA")
+            rows += [dict(r, status="skipped", note="needs CUDA") for r in case_rows]
+            continue
         if name == "liger" and (no_triton or not liger_version()):
             why = "needs CUDA or TRITON_INTERPRET=1" if no_triton else "liger_kernel (>= 0.8.0) not importable"
             print(f"  {name:20s} skipped: {why}")
@@ -371,7 +396,7 @@ def plot(rows, peak, out_dir):
     fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         cases = sorted({(r["shape"], r["T"]) for r in rows if r["mode"] == mode})
-        names = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+        names = [v for v in VARIANTS + CUDAGRAPH_VARIANTS if any(r["variant"] == v for r in rows)]
         w = 0.8 / max(1, len(names))
         for i, v in enumerate(names):
             rs = [next((r for r in rows if (r["shape"], r["T"], r["mode"], r["variant"]) == (s, T, mode, v)), {})
@@ -401,6 +426,9 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny fp32 config on the CPU (implies --backward)")
     args = ap.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in args.variants if v not in VARIANTS + CUDAGRAPH_VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS + CUDAGRAPH_VARIANTS)}")
     if args.cpu_smoke:
         dev, dtype, args.backward, args.quick = torch.device("cpu"), torch.float32, True, True
         os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")  # its autotuner fails in the interpreter
