@@ -62,3 +62,28 @@ class PowerSampler:
             return "no nvidia-smi samples"
         return (f"{s['n']} samples: SM clock median {s['sm_mhz']:.0f} MHz (min {s['sm_mhz_min']:.0f}), power median "
                 f"{s['watts']:.0f} W of a {s['limit_w']:.0f} W limit, software power cap active in {s['capped']:.0%}")
+
+
+def run_sustained(fn, seconds: float, *, idle_first: bool = True, batch: int = 10):
+    """Call fn back to back for ``seconds`` (a synchronize every ``batch`` calls) while sampling.
+
+    Returns (ms per call, the PowerSampler). idle_first: a second's pause before, so that every loop starts
+    from an idle card; the sampler skips its first second (the card ramping to its limit).
+    """
+    import time
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    if idle_first:
+        time.sleep(1.0)
+    with PowerSampler(skip_s=1.0) as smp:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(batch):
+                fn()
+            n += batch
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3 / n
+    return ms, smp

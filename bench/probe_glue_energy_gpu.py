@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,23 +27,13 @@ from moe_fuse.kernels import route  # noqa: E402
 from moe_fuse.kernels.backward import dswiglu  # noqa: E402
 from moe_fuse.kernels.grouped_mm_path import swiglu  # noqa: E402
 from moe_fuse.kernels.permute import combine_sorted, expand_rows  # noqa: E402
-from power import PowerSampler  # noqa: E402
+from power import run_sustained  # noqa: E402
 
 LAYERS = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}
 
 
 def run_for(fn, seconds):
-    fn()
-    torch.cuda.synchronize()
-    time.sleep(1.0)
-    with PowerSampler(skip_s=1.0) as smp:
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            for _ in range(20):
-                fn()
-            n += 20
-            torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) * 1e3 / n
+    ms, smp = run_sustained(fn, seconds, batch=20)
     return ms, smp.stats().get("watts", float("nan")), smp.summary()
 
 

@@ -25,27 +25,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_bench import SHAPES, build_block, ensure_moe_fuse_backend, gemms_setup  # noqa: E402
-from power import PowerSampler  # noqa: E402
-
-
-def sustained(step, seconds=4.0, idle_first=True):
-    """ms per step over ``seconds`` of steps issued back to back, with PowerSampler's summary (after its first
-    second: the card ramping to its limit)."""
-    import time
-
-    step()
-    torch.cuda.synchronize()
-    if idle_first:
-        time.sleep(1.0)  # start from an idle card
-    with PowerSampler(skip_s=1.0) as smp:
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            for _ in range(10):
-                step()
-            n += 10
-            torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) * 1e3 / n
-    return ms, smp.summary()
+from host_profile import layer_step  # noqa: E402
+from power import run_sustained  # noqa: E402
 
 
 def smi():
@@ -151,22 +132,22 @@ def main():
         compiled = {"gemms": gemms_step}
         for name in args.order.split(","):
             if name not in compiled:
-                compiled[name] = _layer_step(torch.compile(block, backend=name), x, dy, params)
+                compiled[name] = layer_step(torch.compile(block, backend=name), x, dy, params)
             step = compiled[name]
             med = do_bench(step, warmup=20, rep=200, return_mode="median")
-            ms, summary = sustained(step)
-            print(f"== {name}: do_bench median {med:.3f} ms; {ms:.3f} ms/step over 4 s; {summary}", flush=True)
+            ms, smp = run_sustained(step, 4.0)
+            print(f"== {name}: do_bench median {med:.3f} ms; {ms:.3f} ms/step over 4 s; {smp.summary()}", flush=True)
         return
     compiled = {}
     for name in args.order.split(","):
         fn = compiled.setdefault(name, torch.compile(block, backend=name))
-        step = _layer_step(fn, x, dy, params)
+        step = layer_step(fn, x, dy, params)
 
         ms = do_bench(step, warmup=20, rep=200, return_mode="median")
         enq, period, syncs = host_check(step)
         print(f"== {name}: host enqueue {enq:.3f} ms/step, back-to-back period {period:.3f} ms/step, syncs: {syncs}")
         if args.sustain:
-            sustained(step, args.sustain, idle_first=False)
+            run_sustained(step, args.sustain, idle_first=False)
         before = smi()
         kernels = trace_kernels(step)
         t0 = kernels[0]["ts"]
@@ -189,17 +170,6 @@ def main():
                 if not idle:  # the GPU idle between one step's last kernel and the next one's first
                     gaps = [(b[0]["ts"] - a[-1]["ts"] - a[-1]["dur"]) / 1e3 for a, b in zip(steps, steps[1:])]
                     print("  idle between steps, back to back: " + " ".join(f"{v:.2f}" for v in gaps))
-
-
-def _layer_step(fn, x, dy, params):
-    def step():
-        for p in params:
-            p.grad = None
-        out = fn(x)
-        out = out[0] if isinstance(out, tuple) else out
-        out.backward(dy)
-
-    return step
 
 
 if __name__ == "__main__":
