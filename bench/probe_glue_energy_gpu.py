@@ -7,7 +7,8 @@ On the H200 the layer step runs at the 700 W power limit (trace_layer_gpu.py --p
 takes about its energy / 700 W, and a pass that draws more power than it needs takes clock away from
 the GEMMs. Each pass runs back to back for --seconds with nvidia-smi sampling: ms per call, median
 power, energy per call (ms x W), and J per GB of memory traffic, beside torch's copy of the same
-number of bytes and one CUTLASS GEMM of the layer. (The run in
+number of bytes and one CUTLASS GEMM of the layer; then the forward's first half (gather, gate_up
+keeping h, SwiGLU) as the grouped_mm path runs it and as the fused Triton GEMM does, energy per call. (The run in
 bench/results/probe_glue_energy_2026-12-01.log, at 89eeb84, also timed dSwiGLU without its aw output.)
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch  # noqa: E402
 
 from check_kernels_gpu import make_tokens, make_weights  # noqa: E402
 from moe_fuse.kernels import route  # noqa: E402
+from moe_fuse.kernels import grouped_gemm  # noqa: E402
 from moe_fuse.kernels.backward import dswiglu  # noqa: E402
 from moe_fuse.kernels.grouped_mm_path import swiglu  # noqa: E402
 from moe_fuse.kernels.permute import combine_sorted, expand_rows  # noqa: E402
@@ -70,13 +72,18 @@ def main():
          (S + T) * H * b2),
         ("dswiglu (writes aw)", lambda: dswiglu(g, h, rw, r, weights.dtype), S * 6 * I * b2),
         ("gate_up GEMM (CUTLASS)", lambda: torch._grouped_mm(xs, wgu.transpose(1, 2), offs=ends), 0),
+        # The same forward half both ways: gather, gate_up GEMM keeping h, SwiGLU.
+        ("expand + CUTLASS gate_up + SwiGLU", lambda: swiglu(
+            torch._grouped_mm(expand_rows(x, pos), wgu.transpose(1, 2), offs=ends), r), 0),
+        ("Triton gate_up (gather, SwiGLU epilogue, keeps h)",
+         lambda: grouped_gemm.gate_up(x, r, wgu, k, save_h=True), 0),
     ]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {layer} T={T}", flush=True)
     for label, fn, nbytes in cases:
         ms, watts, summary = run_for(fn, args.seconds)
         joules = ms * watts / 1e3
         per_gb = f"{joules / (nbytes / 1e9):6.3f} J/GB  {nbytes / ms / 1e9:5.2f} TB/s" if nbytes else ""
-        print(f"  {label:30s} {ms:7.3f} ms  {watts:5.0f} W  {joules * 1e3:7.1f} mJ/call  {per_gb}\n"
+        print(f"  {label:50s} {ms:7.3f} ms  {watts:5.0f} W  {joules * 1e3:7.1f} mJ/call  {per_gb}\n"
               f"      {summary}", flush=True)
 
 
