@@ -8,8 +8,10 @@ the card's state), one step is traced with torch.profiler and every CUDA kernel 
 start offset, duration, stream, name. GEMM sums per backend at the end. Also prints the SM clock and
 power that nvidia-smi reports before each trace (read only). --no-overlap: the all-Triton backward's
 weight gradients on one stream (the grouped_mm path always uses one). --paced: whether the card
-slows down under sustained load (power, clocks). --power: each backend's step run back to back
-with nvidia-smi samples of the SM clock, power and whether the software power cap is active.
+slows down under sustained load (power, clocks), and the GPU's idle time between back-to-back steps.
+--sustain S: S seconds of steps right before each trace, so the trace shows the card at its power
+limit. --power: each backend's step run back to back with nvidia-smi samples of the SM clock, power
+and whether the software power cap is active (bench/power.py).
 """
 
 import argparse
