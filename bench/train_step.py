@@ -557,6 +557,16 @@ def markdown(rows, meta):
             ks = "; ".join(f"`{d['name'][:110]}` {d['ms']:.2f} ms x{d['count']}" for d in p["attention_kernels"])
             L.append(f"- {r['backend']} ckpt {r['ckpt']}: SDPA ops (kernels under each) "
                      f"{p['sdpa_ops_kernels'] or '-'}; {ks or '-'}")
+    ok = [r for r in rows if r["status"] == "ok"]
+    if ok:
+        # The whole curve, not only its ends: at LR the later steps are sensitive to rounding, so one
+        # backend's last loss can jump where the others' do not; the steps before show whether they agree.
+        n = max(len(r["losses"]) for r in ok)
+        L += ["", "Loss after each step (step 0 = the untimed first step, before any AdamW update):", "",
+              "| ckpt | backend | " + " | ".join(str(i) for i in range(n)) + " |",
+              "|---|---|" + "---|" * n]
+        for r in ok:
+            L.append(f"| {r['ckpt']} | {r['backend']} | " + " | ".join(f"{x:.4f}" for x in r["losses"]) + " |")
     mf = [r for r in rows if r.get("moe_fuse_matches") is not None]
     if mf:
         L += ["", "moe_fuse rewrites: " + "; ".join(f"ckpt {r['ckpt']}: {r['moe_fuse_matches'] or 'none'}" for r in mf)]
