@@ -50,6 +50,10 @@ def test_tiny_eager_vs_moe_fuse(tmp_path):
     a, b = rows["eager"]["first_loss"], rows["moe_fuse"]["first_loss"]
     assert abs(a - b) <= 1e-4 * abs(a), (a, b)
     assert rows["moe_fuse"]["loss_ok"]
+    # the markdown lists the whole loss curve of each variant, not only its first and last loss
+    md = (tmp_path / "train_step.md").read_text()
+    for name in ("eager", "moe_fuse"):
+        assert f"| off | {name} | " + " | ".join(f"{x:.4f}" for x in rows[name]["losses"]) + " |" in md, md
 
 
 def _load():
