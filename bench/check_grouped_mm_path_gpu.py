@@ -33,13 +33,13 @@ def _gmm_forward(*args, save_h=False):
 
 def _gmm_backward(dy, *args):
     *inputs, kept = args
-    h, routing, xs = kept if isinstance(kept, tuple) else (kept, None, None)
-    return grouped_mm_path.experts_backward(dy, *inputs, h, routing=routing, xs=xs)
+    h, routing, xs, aw = kept if isinstance(kept, tuple) else (kept, None, None, None)
+    return grouped_mm_path.experts_backward(dy, *inputs, h, routing=routing, xs=xs, aw=aw)
 
 
 def _saved(path, out):
-    """What a forward's output hands its backward: (h, routing, xs) on the grouped_mm path, h on Triton's."""
-    return (out[1], out[2], out[3]) if path == "grouped_mm" else out[1]
+    """What a forward's output hands its backward: (h, routing, xs, aw) on the grouped_mm path, h on Triton's."""
+    return tuple(out[1:5]) if path == "grouped_mm" else out[1]
 
 
 PATHS = {
@@ -66,7 +66,7 @@ def check(label, x, ids, weights, wgu, wd, dy):
 
 
 def check_op(dev):
-    """The experts op on CUDA bf16 keeps h, xs and the routing; its fake implementation agrees (opcheck)."""
+    """The experts op on CUDA bf16 keeps h, xs, the routing and aw; its fake implementation agrees (opcheck)."""
     from torch.library import opcheck
 
     import moe_fuse.ops  # noqa: F401  (registers the ops)
@@ -77,11 +77,12 @@ def check_op(dev):
     x, ids, weights = make_tokens(T, H, E, k, "uneven", torch.bfloat16, dev, gen)
     req = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
     for save_h in (False, True):
-        y, h, xs, routing = torch.ops.moe_fuse.experts(x, ids, weights, wgu, wd, save_h)
-        print(f"  op experts save_h={save_h}: h {tuple(h.shape)} xs {tuple(xs.shape)} routing {tuple(routing.shape)}")
+        y, h, xs, routing, aw = torch.ops.moe_fuse.experts(x, ids, weights, wgu, wd, save_h)
+        print(f"  op experts save_h={save_h}: h {tuple(h.shape)} xs {tuple(xs.shape)} routing {tuple(routing.shape)}"
+              f" aw {tuple(aw.shape)}")
         opcheck(torch.ops.moe_fuse.experts.default, (req(x), ids, req(weights), req(wgu), req(wd), save_h))
     dy = torch.randn_like(x)
-    opcheck(torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, weights, wgu, wd, h, xs, routing))
+    opcheck(torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, weights, wgu, wd, h, xs, routing, aw))
     print("  opcheck experts / experts_backward on CUDA: passed", flush=True)
 
 

@@ -78,7 +78,7 @@ def main():
     wgu = torch.randn(E, 2 * I, H, device=dev, dtype=bf) * 0.02
     wd = torch.randn(E, H, I, device=dev, dtype=bf) * 0.02
     logits, weights, ids = torch.ops.moe_fuse.router(x, wr, k, True, bf)
-    y, h, xs, kept_routing = torch.ops.moe_fuse.experts(x, ids, weights, wgu, wd, True)
+    y, h, xs, kept_routing, aw = torch.ops.moe_fuse.experts(x, ids, weights, wgu, wd, True)
     dy = torch.randn_like(y)
     routing = kernels.route(ids, E)
     a, _ = grouped_gemm.gate_up(x, routing, wgu, k)
@@ -93,7 +93,7 @@ def main():
         "torch.empty": lambda: torch.empty(T, H, device=dev, dtype=bf),
         "op router": lambda: ops.router(x, wr, k, True, bf),
         "op experts (save_h)": lambda: ops.experts(x, ids, weights, wgu, wd, True),
-        "op experts_backward": lambda: ops.experts_backward(dy, x, ids, weights, wgu, wd, h, xs, kept_routing),
+        "op experts_backward": lambda: ops.experts_backward(dy, x, ids, weights, wgu, wd, h, xs, kept_routing, aw),
         "op router_backward": lambda: ops.router_backward(torch.zeros_like(logits), dwts, x, wr, logits, ids, True),
         "reference.router_backward": ref_router_bwd,
         "kernels.experts_forward (save_h)": lambda: kernels.experts_forward(x, ids, weights, wgu, wd, save_h=True),
@@ -129,14 +129,14 @@ def main():
             "softmax_topk": lambda: kernels.softmax_topk(logits, k, True, bf),
             "expand_rows": lambda: expand_rows(x, pos),
             "torch._grouped_mm (1 call)": lambda: torch._grouped_mm(rows, wgu.transpose(1, 2), offs=ends),
-            "swiglu": lambda: gp.swiglu(hh, routing),
+            "swiglu": lambda: gp.swiglu(hh, routing, rw),
             "combine_sorted": lambda: combine_sorted(rows, pos, weights, bf, ids=ids, num_experts=E),
             "dswiglu": lambda: backward.dswiglu(g, hh, rw, routing, bf),
             "routing_from_buffer": lambda: kernels.routing_from_buffer(kept_routing, T * k, E),
             "grouped_mm_path.experts_forward": lambda: gp.experts_forward(x, ids, weights, wgu, wd, save_h=True,
                                                                           keep_rows=True),
             "grouped_mm_path.experts_backward": lambda: gp.experts_backward(
-                dy, x, ids, weights, wgu, wd, path_out[1], routing=path_out[2], xs=path_out[3]),
+                dy, x, ids, weights, wgu, wd, path_out[1], routing=path_out[2], xs=path_out[3], aw=path_out[4]),
         })
         ops_bench = torch.ops.moe_fuse_bench
     if args.cprofile:

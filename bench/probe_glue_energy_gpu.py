@@ -67,14 +67,14 @@ def main():
         # label, fn, bytes moved
         ("torch copy_ (0.27 + 0.27 GB)", lambda: dst.copy_(src), 2 * src.numel() * b2),
         ("expand_rows", lambda: expand_rows(x, pos), (T + S) * H * b2),
-        ("swiglu", lambda: swiglu(h, r), S * 3 * I * b2),
+        ("swiglu", lambda: swiglu(h, r, rw), S * 3 * I * b2),
         ("combine (weighted)", lambda: combine_sorted(o, pos, weights, x.dtype, ids=ids, num_experts=E),
          (S + T) * H * b2),
         ("dswiglu (writes aw)", lambda: dswiglu(g, h, rw, r, weights.dtype), S * 6 * I * b2),
         ("gate_up GEMM (CUTLASS)", lambda: torch._grouped_mm(xs, wgu.transpose(1, 2), offs=ends), 0),
         # The same forward half both ways: gather, gate_up GEMM keeping h, SwiGLU.
         ("expand + CUTLASS gate_up + SwiGLU", lambda: swiglu(
-            torch._grouped_mm(expand_rows(x, pos), wgu.transpose(1, 2), offs=ends), r), 0),
+            torch._grouped_mm(expand_rows(x, pos), wgu.transpose(1, 2), offs=ends), r, rw), 0),
         ("Triton gate_up (gather, SwiGLU epilogue, keeps h)",
          lambda: grouped_gemm.gate_up(x, r, wgu, k, save_h=True), 0),
     ]

@@ -50,10 +50,10 @@ def main():
         ends = r.offsets[1:]
         xs = x.index_select(0, r.token)
         h = gmm(xs, wgu.transpose(1, 2), offs=ends)
-        a = swiglu(h, r)
+        rw = weights.reshape(-1).contiguous()
+        a = swiglu(h, r, rw)
         dys = dy.index_select(0, r.token)
         g = gmm(dys, wd, offs=ends)
-        rw = weights.reshape(-1).contiguous()
         dh, aw, _ = dswiglu(g, h, rw, r, weights.dtype)
         o = gmm(a, wd.transpose(1, 2), offs=ends)
         wgu_t = wgu.transpose(1, 2).contiguous()  # [E, H, 2I]
@@ -65,7 +65,7 @@ def main():
             ("expand_rows (x read once)", lambda: expand_rows(x, r.pos.view(T, k)), 0),
             ("gate_up  xs @ Wgu^T (path)", lambda: gmm(xs, wgu.transpose(1, 2), offs=ends), 2 * f1),
             ("gate_up  alt: B [E,H,2I] row-major", lambda: gmm(xs, wgu_t, offs=ends), 2 * f1),
-            ("swiglu", lambda: swiglu(h, r), 0),
+            ("swiglu", lambda: swiglu(h, r, rw), 0),
             ("down     a @ Wd^T (path)", lambda: gmm(a, wd.transpose(1, 2), offs=ends), f1),
             ("down     alt: B [E,I,H] row-major", lambda: gmm(a, wd_t, offs=ends), f1),
             ("combine (weighted)", lambda: combine_sorted(o, r.pos.view(T, k), weights, x.dtype, ids=ids, num_experts=E), 0),

@@ -7,11 +7,12 @@ one fused node forward and one backward per MoE block.
 Boundaries (the Triton kernels fill these in):
 - router:  x, W_router -> logits, routing weights, expert ids
            (linear, softmax in fp32, top-k, optional renorm, cast).
-- experts: x, ids, routing weights, W_gate_up, W_down, save_h -> (y, h, xs, routing)
+- experts: x, ids, routing weights, W_gate_up, W_down, save_h -> (y, h, xs, routing, aw)
            (routing metadata, permutation, gate_up GEMM, SwiGLU, down GEMM,
            weighted fixed-order combine over the k slots; h = the gate_up output,
-           xs = the expert-sorted rows of x, routing = the routing buffer, each
-           kept for the backward when save_h and the kernels use it, else empty).
+           xs = the expert-sorted rows of x, routing = the routing buffer, aw = the
+           weighted SwiGLU output, each kept for the backward when save_h and the
+           kernels use it, else empty).
 """
 
 from __future__ import annotations
@@ -104,11 +105,12 @@ def _check_experts_args(x, ids, weights, w_gate_up, w_down):
 
 
 def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h) -> tuple[int, int, int]:
-    """(rows of h, rows of xs, elements of the routing) that the forward keeps for the backward.
+    """(rows of h, rows of xs and of aw, elements of the routing) that the forward keeps for the backward.
 
     From shapes, dtypes and devices only: the real and the fake implementation both size their
     outputs with it, so they agree. The reference keeps h alone; the CUDA kernels also keep their
-    routing, and the grouped_mm path (kernels/grouped_mm_path.py) the expert-sorted rows of x.
+    routing, and the grouped_mm path (kernels/grouped_mm_path.py) the weight gradients' operands:
+    the expert-sorted rows of x and the weighted SwiGLU output.
     """
     if not save_h:
         return 0, 0, 0
@@ -122,21 +124,26 @@ def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h) -> tuple[int, int, 
 @torch.library.custom_op("moe_fuse::experts", mutates_args=())
 def experts(
     x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, save_h: bool = False
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(y, h, xs, routing): y, then what the backward reads instead of recomputing (``_saved_sizes``).
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y, h, xs, routing, aw): y, then what the backward reads instead of recomputing (``_saved_sizes``).
 
     With ``save_h``: h [T*k, 2I] is the pre-activation gate | up in expert order (the backward's first
     GEMM then costs 2 instead of 6 T*k*H*I FLOPs); on the CUDA kernels, routing is the int32 routing
     buffer (``kernels.route``'s, no re-routing in the backward), and on the grouped_mm path xs [T*k, H]
-    the expert-sorted rows of x (no second gather). Each is empty where not kept. The rewrite saves
+    the expert-sorted rows of x (no second gather) and aw [T*k, I] the SwiGLU output times the routing
+    weight (not written again by the dSwiGLU pass). Each is empty where not kept. The rewrite saves
     them unless the block sits in an activation-checkpointed region, where recomputing inside the
     backward is cheaper than re-running the forward to rebuild them.
     """
     _check_experts_args(x, ids, weights, w_gate_up, w_down)
     h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h)
     if routing_size:
-        y, h, routing, xs = kernels.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=True)
-        return y, h, xs if xs_rows else _empty(x, x.shape[1]), routing.buf
+        y, h, routing, xs, aw = kernels.experts_forward(
+            x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=True
+        )
+        if not xs_rows:
+            xs, aw = _empty(x, x.shape[1]), _empty(w_down, w_down.shape[2])
+        return y, h, xs, routing.buf, aw
     if x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):  # without save_h
         y, h = kernels.experts_forward(x, ids, weights, w_gate_up, w_down), _empty(w_gate_up, w_gate_up.shape[1])
     elif save_h:
@@ -144,7 +151,7 @@ def experts(
     else:
         y = reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down)
         h = _empty(w_gate_up, w_gate_up.shape[1])
-    return y, h, _empty(x, x.shape[1]), _empty(ids, None)
+    return y, h, _empty(x, x.shape[1]), _empty(ids, None), _empty(w_down, w_down.shape[2])
 
 
 def _empty(like, cols):
@@ -163,21 +170,22 @@ def _(x, ids, weights, w_gate_up, w_down, save_h=False):
         w_gate_up.new_empty((h_rows, w_gate_up.shape[1])),
         x.new_empty((xs_rows, x.shape[1])),
         ids.new_empty((routing_size,), dtype=torch.int32),
+        w_down.new_empty((xs_rows, w_down.shape[2])),
     )
 
 
 @torch.library.custom_op("moe_fuse::experts_backward", mutates_args=())
 def experts_backward(
     dy: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor,
-    xs: Tensor, routing: Tensor,
+    xs: Tensor, routing: Tensor, aw: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """h, xs, routing: what the forward kept (``experts``), each empty when not kept (recomputed)."""
+    """h, xs, routing, aw: what the forward kept (``experts``), each empty when not kept (recomputed)."""
     if dy.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):
         S, E = ids.shape[0] * ids.shape[1], w_gate_up.shape[0]
         grads = kernels.experts_backward(  # makes dy contiguous itself
             dy, x, ids, weights, w_gate_up, w_down, h if h.numel() else None,
             routing=kernels.routing_from_buffer(routing, S, E) if routing.numel() else None,
-            xs=xs if xs.numel() else None,
+            xs=xs if xs.numel() else None, aw=aw if aw.numel() else None,
         )
     else:
         # The reference recomputes h in fp32. The gradient of a sum arrives with stride 0: make it a real tensor first.
@@ -186,7 +194,7 @@ def experts_backward(
 
 
 @experts_backward.register_fake
-def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing):
+def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw):
     fmt = torch.contiguous_format
     return tuple(torch.empty_like(t, memory_format=fmt) for t in (x, weights, w_gate_up, w_down))
 
@@ -196,12 +204,12 @@ def _experts_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, *output[1:])
 
 
-def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing):
-    x, ids, weights, w_gate_up, w_down, h, xs, routing = ctx.saved_tensors
+def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing, _d_aw):
+    x, ids, weights, w_gate_up, w_down, h, xs, routing, aw = ctx.saved_tensors
     if dy is None:  # only the saved values were used: nothing flows back (they are internal)
         dy = torch.zeros_like(x)
     dx, d_weights, d_wgu, d_wd = torch.ops.moe_fuse.experts_backward(
-        dy, x, ids, weights, w_gate_up, w_down, h, xs, routing
+        dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw
     )
     return dx, None, d_weights, d_wgu, d_wd, None
 

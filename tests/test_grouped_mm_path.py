@@ -65,13 +65,18 @@ def test_forward_and_backward_match_reference(name, monkeypatch):
     x, ids, weights, w_gate_up, w_down = args
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEVICE)
     with poisoned_buffers(monkeypatch):
-        y, h, routing, xs = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
+        y, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
     check([y], [ref64(*args)], [x], TOL[dtype], ["y"])
-    assert torch.equal(xs[: int(routing.offsets[-1])], x[routing.token.long()][: int(routing.offsets[-1])])
+    routed = int(routing.offsets[-1])
+    assert torch.equal(xs[:routed], x[routing.token.long()][:routed])
+    w = weights.reshape(-1)[routing.order.long()][:routed, None].float()
+    gate, up = h[:routed].float().chunk(2, dim=1)
+    torch.testing.assert_close(aw[:routed].float(), w * torch.nn.functional.silu(gate) * up,
+                               **({} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}))
     want = ref64_backward(dy, *args)
     like = (x, weights, w_gate_up, w_down)
     with poisoned_buffers(monkeypatch):
-        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs)
+        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
         saved_h = grouped_mm_path.experts_backward(dy, *args, h)
         recomputed = grouped_mm_path.experts_backward(dy, *args)
     for grads in (kept, saved_h, recomputed):
@@ -116,11 +121,11 @@ def test_dispatch_takes_the_path_for_training_only(monkeypatch):
     dy = torch.randn(12, 16).to(DEVICE)
     kernels.experts_forward(*args)
     assert calls == []  # inference / checkpointed layers: the fused Triton forward, no h in memory
-    _, h, routing, xs = kernels.experts_forward(*args, save_h=True, keep_rows=True)
-    assert xs.shape == (12 * 2, 16)
-    kernels.experts_backward(dy, *args, h, routing=routing, xs=xs)
+    _, h, routing, xs, aw = kernels.experts_forward(*args, save_h=True, keep_rows=True)
+    assert xs.shape == (12 * 2, 16) and aw.shape == (12 * 2, 8)
+    kernels.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
     kernels.experts_backward(dy, *args)
     assert calls == ["experts_forward", "experts_backward", "experts_backward"]
     empty = [t[:0] for t in args[:3]] + args[3:]
-    assert kernels.experts_forward(*empty, save_h=True, keep_rows=True)[3] is None  # S = 0: the Triton path
+    assert kernels.experts_forward(*empty, save_h=True, keep_rows=True)[3:] == (None, None)  # S = 0: the Triton path
     assert len(calls) == 3

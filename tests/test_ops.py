@@ -43,10 +43,11 @@ def test_experts_forward_and_backward_match_definition(k, sentinel_fraction, sav
     x, ids, weights, w_gate_up, w_down = random_case(k=k, sentinel_fraction=sentinel_fraction)
     leaves = [t.requires_grad_() for t in (x, weights, w_gate_up, w_down)]
     want = naive_experts(x, ids, weights, w_gate_up, w_down)
-    got, h, xs, routing = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h)
+    got, h, xs, routing, aw = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    # The reference (CPU) keeps h alone: the sorted rows and the routing are the CUDA kernels'.
+    # The reference (CPU) keeps h alone: the sorted rows, the routing and aw are the CUDA kernels'.
     assert xs.shape == (0, x.shape[1]) and routing.shape == (0,) and routing.dtype == torch.int32
+    assert aw.shape == (0, w_down.shape[2]) and aw.dtype == w_down.dtype
     if save_h:  # the pre-activation of each routed row, in expert order (sentinel rows zero)
         order = torch.argsort(ids.reshape(-1), stable=True)
         routed = (ids.reshape(-1) < w_gate_up.shape[0])[order]
@@ -93,9 +94,11 @@ def test_opcheck(dtype):
     for save_h in (False, True):
         opcheck(torch.ops.moe_fuse.experts.default, (req(x), ids, req(weights), req(w_gate_up), req(w_down), save_h))
     dy = torch.randn_like(x)
-    _, h, xs, routing = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, True)
+    _, h, xs, routing, aw = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, True)
     for saved in (h, h[:0]):
-        opcheck(torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, weights, w_gate_up, w_down, saved, xs, routing))
+        opcheck(
+            torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, weights, w_gate_up, w_down, saved, xs, routing, aw)
+        )
     w_router = torch.randn(5, x.shape[1], dtype=dtype)
     opcheck(torch.ops.moe_fuse.router.default, (req(x), req(w_router), 2, True, dtype))
     logits, _, r_ids = torch.ops.moe_fuse.router(x, w_router, 2, True, dtype)

@@ -7,8 +7,8 @@ gate_up GEMM never writes h to memory.
 
 Public:
     experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False, keep_rows=False)
-        -> y  (or (y, h, routing), or (y, h, routing, xs | None))
-    experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None)
+        -> y  (or (y, h, routing), or (y, h, routing, xs | None, aw | None))
+    experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None)
         -> (dx, d_weights, d_w_gate_up, d_w_down)
     supports(x, ids, weights, w_gate_up, w_down) -> bool
     uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool
@@ -39,8 +39,9 @@ def uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool:
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False):
     """See forward.experts_forward: same result as reference.experts_forward.
 
-    save_h: (y, h, routing); with keep_rows too: (y, h, routing, xs), xs the expert-sorted rows of x
-    on grouped_mm_path (which its backward reads), None on the Triton path (whose GEMMs gather).
+    save_h: (y, h, routing); with keep_rows too: (y, h, routing, xs, aw), on grouped_mm_path the
+    weight gradients' operands its backward reads (xs the expert-sorted rows of x, aw the weighted
+    SwiGLU output), None each on the Triton path (whose GEMMs gather and recompute).
     """
     from . import grouped_mm_path
     from .forward import experts_forward as impl
@@ -48,19 +49,21 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     if save_h and uses_grouped_mm(x, ids, w_gate_up, w_down):
         return grouped_mm_path.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=keep_rows)
     out = impl(x, ids, weights, w_gate_up, w_down, save_h=save_h)
-    return (*out, None) if save_h and keep_rows else out
+    return (*out, None, None) if save_h and keep_rows else out
 
 
-def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None):
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None):
     """See backward.experts_backward: same result as reference.experts_backward (under the same ``supports``).
 
-    h, routing, xs: what ``experts_forward(save_h=True, keep_rows=True)`` kept, or None to recompute.
+    h, routing, xs, aw: what ``experts_forward(save_h=True, keep_rows=True)`` kept, or None to recompute.
     """
     from . import grouped_mm_path
     from .backward import experts_backward as impl
 
     if uses_grouped_mm(x, ids, w_gate_up, w_down, dy):
-        return grouped_mm_path.experts_backward(dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, xs=xs)
+        return grouped_mm_path.experts_backward(
+            dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, xs=xs, aw=aw
+        )
     return impl(dy, x, ids, weights, w_gate_up, w_down, h, routing=routing)
 
 

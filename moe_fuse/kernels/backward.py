@@ -289,11 +289,12 @@ def _dswiglu_kernel(
     order_ptr,  # [S] int32
     offsets_ptr,  # [E + 1] int32; offsets[E] = routed rows
     dh_ptr,  # [S, 2I] out, sorted order
-    aw_ptr,  # [S, I] out, sorted order
+    aw_ptr,  # [S, I] out, sorted order (WRITE_AW)
     dw_ptr,  # [S] out, by row: d_weights = sum_i g * silu(gate) * up
     S,
     I,
     E,
+    WRITE_AW: tl.constexpr,  # False: the forward kept aw (grouped_mm_path), skip the [S, I] store
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
@@ -322,7 +323,8 @@ def _dswiglu_kernel(
         d_a = w * g
         tl.store(dh_ptr + p64 * (2 * I) + i[None, :], (d_a * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(dh_ptr + p64 * (2 * I) + I + i[None, :], (d_a * act).to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(aw_ptr + p64 * I + i[None, :], (w * a).to(aw_ptr.dtype.element_ty), mask=mask)
+        if WRITE_AW:
+            tl.store(aw_ptr + p64 * I + i[None, :], (w * a).to(aw_ptr.dtype.element_ty), mask=mask)
     tl.store(dw_ptr + src, dw.to(dw_ptr.dtype.element_ty), mask=in_s)
 
 
@@ -625,20 +627,22 @@ def dgrad_saved(dy, routing: Routing, rw, h, w_down, top_k: int, weights_dtype, 
     return dswiglu(g, h, rw, routing, weights_dtype)
 
 
-def dswiglu(g, h, rw, routing: Routing, weights_dtype):
-    """(d_h [S, 2I], aw [S, I], d_weights [S] by row) from g = dy[tok] @ W_down[e] and the saved h, sorted order.
+def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True):
+    """(d_h [S, 2I], aw [S, I] or None, d_weights [S] by row) from g = dy[tok] @ W_down[e] and the saved h,
+    sorted order. write_aw False: aw is not computed (None), for a caller that kept the forward's.
 
     Rows past offsets[E] (sentinels): d_weights 0, d_h and aw not written.
     """
     S, I = g.shape
     dh = torch.empty(S, 2 * I, dtype=g.dtype, device=g.device)
-    aw = torch.empty(S, I, dtype=g.dtype, device=g.device)
+    aw = torch.empty(S, I, dtype=g.dtype, device=g.device) if write_aw else None
     d_weights = torch.empty(S, dtype=weights_dtype, device=g.device)
-    block_r = 4 if interpreting() else 16
-    block_i = 32 if interpreting() else 128
+    # 4 x 256: 244 us against 255 at 16 x 128 without aw (30B, T=16384, H200; bench/probe_pass_configs_gpu.py).
+    block_r = 4
+    block_i = 32 if interpreting() else 256
     _dswiglu_kernel[(cdiv(S, block_r),)](
-        g, h, rw, routing.order, routing.offsets, dh, aw, d_weights, S, I, routing.counts.numel(),
-        BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
+        g, h, rw, routing.order, routing.offsets, dh, aw if write_aw else dh, d_weights, S, I,
+        routing.counts.numel(), WRITE_AW=write_aw, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
     )
     return dh, aw, d_weights
 

@@ -11,12 +11,13 @@ for the backward anyway (``save_h``); without, the fused Triton forward never wr
 on the 30B layer.
 
     forward   xs = x[tok]                          [S, H]  (tok = routing.token: rows sorted by expert)
-              h  = xs @ W_gate_up[e]^T             [S, 2I] (gate | up; h, xs, routing saved for the backward)
-              a  = silu(gate) * up                 [S, I]
-              o  = a @ W_down[e]^T                 [S, H]
-              y[t] = sum_j w[t, j] * o[pos[t, j]]  (fp32, j in order; sentinel slots skipped)
+              h  = xs @ W_gate_up[e]^T             [S, 2I] (gate | up)
+              aw = w * silu(gate) * up             [S, I]  (w: the row's routing weight)
+              o  = aw @ W_down[e]^T                [S, H]
+              y[t] = sum_j o[pos[t, j]]            (fp32, j in order; sentinel slots skipped)
+              h, xs, aw and the routing are kept for the backward
     backward  dys = dy[tok];  g = dys @ W_down[e]  [S, I]
-              d_h, aw, d_weights = the dSwiGLU pass of backward.py (aw = w * a)
+              d_h, d_weights = the dSwiGLU pass of backward.py (d_weights = sum_i g * a)
               dW_gate_up[e] = d_h[e]^T xs[e];  dW_down[e] = dys[e]^T aw[e]
               o' = d_h @ W_gate_up[e]              [S, H];  dx[t] = sum_j o'[pos[t, j]]
 
@@ -65,6 +66,8 @@ def applies(x, w_gate_up, w_down, *others) -> bool:
 @lazy_jit
 def _swiglu_kernel(
     h_ptr,  # [S, 2I] sorted order: gate | up
+    rw_ptr,  # [T * k] routing weights, by row (slot)
+    order_ptr,  # [S] int32: sorted position -> row
     a_ptr,  # [S, I] out
     offsets_ptr,  # [E + 1] int32; offsets[E] = routed rows
     S,
@@ -73,25 +76,35 @@ def _swiglu_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
-    """a = silu(gate) * up in fp32, rounded once; rows past offsets[E] are not written."""
+    """aw = silu(gate) * up * w in fp32, rounded once; rows past offsets[E] are not written.
+
+    The product order is the dSwiGLU pass's (backward.py), so the two round to the same aw.
+    """
     p = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     routed = (p < S) & (p < tl.load(offsets_ptr + E))
+    src = tl.load(order_ptr + p, mask=routed, other=0)
+    w = tl.load(rw_ptr + src, mask=routed, other=0.0).to(tl.float32)[:, None]
     p64 = p.to(tl.int64)[:, None]
     for i0 in range(0, I, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         mask = routed[:, None] & (i < I)[None, :]
         gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(a_ptr + p64 * I + i[None, :], (gate * tl.sigmoid(gate) * up).to(a_ptr.dtype.element_ty), mask=mask)
+        aw = w * (gate * tl.sigmoid(gate) * up)
+        tl.store(a_ptr + p64 * I + i[None, :], aw.to(a_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu(h: torch.Tensor, routing: Routing) -> torch.Tensor:
+def swiglu(h: torch.Tensor, routing: Routing, rw: torch.Tensor) -> torch.Tensor:
+    """aw [S, I] = w * silu(gate) * up in h's dtype, sorted order; rw [T * k] the routing weights by row."""
     S, two_i = h.shape
     I = two_i // 2
     E = routing.counts.numel()
     a = torch.empty(S, I, dtype=h.dtype, device=h.device)
-    block_r, block_i = (4, 32) if interpreting() else (16, 128)
-    _swiglu_kernel[(cdiv(S, block_r),)](h, a, routing.offsets, S, I, E, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4)
+    # 4 x 256: 150 us against 161 at 16 x 128 (30B, T=16384, H200; bench/probe_pass_configs_gpu.py).
+    block_r, block_i = (4, 32) if interpreting() else (4, 256)
+    _swiglu_kernel[(cdiv(S, block_r),)](
+        h, rw, routing.order, a, routing.offsets, S, I, E, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4
+    )
     return a
 
 
@@ -102,9 +115,10 @@ def _gate_up(xs, w_gate_up, ends):
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False):
     """Same contract as ``forward.experts_forward`` (y, or (y, h, routing) with ``save_h``); needs S > 0.
 
-    keep_rows (with save_h): (y, h, routing, xs), xs [S, H] the expert-sorted rows of x, which the
-    backward's dW_gate_up reads instead of gathering them again (+S*H*2 bytes kept per layer,
-    against one gather pass, ~0.26 ms on a 30B layer at T=16384).
+    keep_rows (with save_h): (y, h, routing, xs, aw), the two GEMM operands the backward's weight
+    gradients read: xs [S, H] the expert-sorted rows of x (dW_gate_up; else one more gather, ~0.16 ms
+    on a 30B layer at T=16384) and aw [S, I] = w * SwiGLU(h) (dW_down; else the dSwiGLU pass writes
+    it again). Together +S*(H+I)*2 bytes kept per layer.
     """
     T, k = ids.shape
     E = w_gate_up.shape[0]
@@ -114,27 +128,33 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     h = _gate_up(xs, w_gate_up, ends)
     if not (save_h and keep_rows):
         del xs
-    o = torch._grouped_mm(swiglu(h, routing), w_down.transpose(1, 2), offs=ends)
-    y = combine_sorted(o, routing.pos.view(T, k), weights, x.dtype, ids=ids, num_experts=E)
+    # The routing weight scales the down GEMM's input rows, not its output: the combine then only
+    # sums, and the scaled rows are dW_down's operand too.
+    aw = swiglu(h, routing, weights.reshape(-1).contiguous())
+    o = torch._grouped_mm(aw, w_down.transpose(1, 2), offs=ends)
+    y = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
     if not save_h:
         return y
-    return (y, h, routing, xs) if keep_rows else (y, h, routing)
+    return (y, h, routing, xs, aw) if keep_rows else (y, h, routing)
 
 
-def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None):
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None):
     """Same contract as ``backward.experts_backward``; needs S > 0.
 
-    h, routing, xs: what the forward kept (``experts_forward(save_h=True, keep_rows=True)``), each
-    None to recompute it (h: one more GEMM; routing: three small launches; xs: a gather).
+    h, routing, xs, aw: what the forward kept (``experts_forward(save_h=True, keep_rows=True)``), each
+    None to recompute it (h: one more GEMM; routing: three small launches; xs: a gather; aw: written by
+    the dSwiGLU pass, from h).
     """
     T, k = ids.shape
     E = w_gate_up.shape[0]
-    check_saved_h(h, T * k, w_gate_up)
-    if xs is not None and (tuple(xs.shape) != (T * k, x.shape[1]) or xs.dtype != x.dtype or not xs.is_contiguous()):
-        raise ValueError(
-            f"experts_backward: saved rows must be a contiguous [S={T * k}, H={x.shape[1]}] {x.dtype} tensor, "
-            f"got {tuple(xs.shape)} {xs.dtype}"
-        )
+    S, H, I = T * k, x.shape[1], w_down.shape[2]
+    check_saved_h(h, S, w_gate_up)
+    for name, kept, cols, dtype in (("rows", xs, H, x.dtype), ("aw", aw, I, w_down.dtype)):
+        if kept is not None and (tuple(kept.shape) != (S, cols) or kept.dtype != dtype or not kept.is_contiguous()):
+            raise ValueError(
+                f"experts_backward: saved {name} must be a contiguous [S={S}, {cols}] {dtype} tensor, "
+                f"got {tuple(kept.shape)} {kept.dtype}"
+            )
     dy = dy.contiguous()  # the gradient of a sum arrives with stride 0
     ids = ids.contiguous()
     if routing is None:
@@ -146,7 +166,8 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
         h = _gate_up(xs, w_gate_up, ends)
     dys = expand_rows(dy, routing.pos.view(T, k))
     g = torch._grouped_mm(dys, w_down, offs=ends)  # [S, I]
-    dh, aw, d_weights = dswiglu(g, h, weights.reshape(-1).contiguous(), routing, weights.dtype)
+    dh, aw_now, d_weights = dswiglu(g, h, weights.reshape(-1).contiguous(), routing, weights.dtype, write_aw=aw is None)
+    aw = aw_now if aw is None else aw
     del g
     # One stream: each CUTLASS GEMM fills every SM, so a weight-gradient GEMM on a second stream only
     # starts when the one before it ends (bench/results/trace_layer_paced_2026-11-30.log); layer steps

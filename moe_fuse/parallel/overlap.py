@@ -175,8 +175,9 @@ def chunked_forward(x_sorted: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: _
         rows = x_recv[p.recv_offsets[c] : p.recv_offsets[c + 1]]
         if rows.shape[0]:
             ones = torch.ones(rows.shape[0], 1, dtype=weights_dtype, device=rows.device)
-            # The sorted rows (xs) are not kept: x_recv is, and the backward gathers from it.
-            y_c, h_c, _, r_c = torch.ops.moe_fuse.experts(
+            # The sorted rows (xs) are not kept: x_recv is, and the backward gathers from it; nor is aw
+            # (the dSwiGLU pass writes it again), so a chunk keeps what it kept before aw existed.
+            y_c, h_c, _, r_c, _ = torch.ops.moe_fuse.experts(
                 rows, p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], save_h
             )
         else:  # nothing routed to this group here: skip the kernels, still take part in the all-to-all
@@ -222,7 +223,7 @@ def chunked_backward(dy_sorted: Tensor, x_recv, saved, w_gate_up: Tensor, w_down
             ones = torch.ones(b - a, 1, dtype=weights_dtype, device=dy_sorted.device)
             dx_c, _, dgu_c, dd_c = torch.ops.moe_fuse.experts_backward(
                 dy_recv[a:b], x_recv[a:b], p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], saved[c][0],
-                x_recv.new_empty((0, x_recv.shape[1])), saved[c][1],
+                x_recv.new_empty((0, x_recv.shape[1])), saved[c][1], w_down.new_empty((0, w_down.shape[2])),
             )
             d_gate_up[lo:hi] = dgu_c
             d_down[lo:hi] = dd_c
