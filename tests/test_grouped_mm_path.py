@@ -85,6 +85,26 @@ def test_forward_and_backward_match_reference(name, monkeypatch):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+def test_backward_reads_the_kept_operands_and_names_bad_ones():
+    """dW_down is computed from the aw handed in (not a recomputed one); a kept tensor of the wrong shape is an error."""
+    T, k, E, H, I, dtype, mode = CASES["uneven_fp32"]
+    args = make_case(T, k, E, H, I, dtype, mode, seed=11)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    _, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
+    base = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
+    doubled = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw * 2)
+    for name, a, b in zip(NAMES, base, doubled):
+        if name == "d_w_down":  # dW_down = dy[tok]^T aw: twice the operand, twice the gradient
+            torch.testing.assert_close(b, 2 * a)
+        else:
+            assert torch.equal(a, b), name
+    S = T * k
+    with pytest.raises(ValueError, match=rf"saved aw must be a contiguous \[S={S}, {I}\] torch.float32 tensor, got \({S}, {2 * I}\)"):
+        grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=h)
+    with pytest.raises(ValueError, match=rf"saved rows must be a contiguous \[S={S}, {H}\] torch.float32 tensor"):
+        grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs[:-1], aw=aw)
+
+
 def test_matches_the_triton_kernels_path():
     """Same fp32 inputs through both implementations (GEMMs in torch vs in Triton): equal to 1e-5."""
     args = make_case(40, 4, 6, 48, 32, torch.float32, "skewed", seed=3)
