@@ -145,6 +145,21 @@ def make_tokens(T, H, E, k, routing, dtype, dev, gen, r_dtype=None):
     return x, ids, weights
 
 
+PROBE_LAYERS = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}  # --case names: (H, I, E, k)
+
+
+def balanced_case(case: str, dev, seed: int = 0):
+    """A probe's --case ("30b:16384") as bf16 weights and tokens with balanced routing:
+    (T, H, I, E, k, gen, w_gate_up, w_down, x, ids, weights)."""
+    layer, T = case.split(":")
+    T = int(T)
+    H, I, E, k = PROBE_LAYERS[layer]
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    w_gate_up, w_down = make_weights(H, I, E, torch.bfloat16, dev, gen)
+    x, ids, weights = make_tokens(T, H, E, k, "balanced", torch.bfloat16, dev, gen)
+    return T, H, I, E, k, gen, w_gate_up, w_down, x, ids, weights
+
+
 # --------------------------------------------------------------------------- timing
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from check_kernels_gpu import make_tokens, make_weights  # noqa: E402
+from check_kernels_gpu import balanced_case  # noqa: E402
 from moe_fuse.kernels import route  # noqa: E402
 from moe_fuse.kernels import grouped_gemm  # noqa: E402
 from moe_fuse.kernels.backward import dswiglu  # noqa: E402
@@ -31,7 +31,6 @@ from moe_fuse.kernels.grouped_mm_path import swiglu  # noqa: E402
 from moe_fuse.kernels.permute import combine_sorted, expand_rows  # noqa: E402
 from power import run_sustained  # noqa: E402
 
-LAYERS = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}
 
 
 def run_for(fn, seconds):
@@ -45,13 +44,8 @@ def main():
     ap.add_argument("--seconds", type=float, default=3.0)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    layer, T = args.case.split(":")
-    T = int(T)
-    H, I, E, k = LAYERS[layer]
+    T, H, I, E, k, gen, wgu, wd, x, ids, weights = balanced_case(args.case, dev)
     S = T * k
-    gen = torch.Generator(device=dev).manual_seed(0)
-    wgu, wd = make_weights(H, I, E, torch.bfloat16, dev, gen)
-    x, ids, weights = make_tokens(T, H, E, k, "balanced", torch.bfloat16, dev, gen)
     r = route(ids, E)
     ends = r.offsets[1:]
     pos = r.pos.view(T, k)

@@ -29,11 +29,10 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from check_kernels_gpu import make_tokens, make_weights  # noqa: E402
+from check_kernels_gpu import balanced_case  # noqa: E402
 from moe_fuse.kernels import backward, grouped_mm_path, permute, routing  # noqa: E402
 from moe_fuse.kernels._jit import cdiv  # noqa: E402
 
-LAYERS = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}
 ROW_TILES = [(16, 256, 4), (8, 256, 4), (32, 256, 8), (16, 512, 8), (8, 512, 4), (4, 1024, 4), (32, 128, 4), (64, 64, 4)]
 PASS_TILES = [(16, 128, 4), (8, 256, 4), (32, 128, 8), (16, 256, 8), (8, 128, 4), (4, 256, 4), (32, 64, 4), (64, 64, 8)]
 
@@ -50,13 +49,8 @@ def main():
     ap.add_argument("--case", default="30b:16384")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    layer, T = args.case.split(":")
-    T = int(T)
-    H, I, E, k = LAYERS[layer]
+    T, H, I, E, k, gen, wgu, wd, x, ids, weights = balanced_case(args.case, dev)
     S = T * k
-    gen = torch.Generator(device=dev).manual_seed(0)
-    wgu, wd = make_weights(H, I, E, torch.bfloat16, dev, gen)
-    x, ids, weights = make_tokens(T, H, E, k, "balanced", torch.bfloat16, dev, gen)
     r = routing.route(ids, E)
     ends = r.offsets[1:]
     pos = r.pos.view(T, k)
