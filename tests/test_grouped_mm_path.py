@@ -99,9 +99,9 @@ def test_backward_reads_the_kept_operands_and_names_bad_ones():
         else:
             assert torch.equal(a, b), name
     S = T * k
-    with pytest.raises(ValueError, match=rf"saved aw must be a contiguous \[S={S}, {I}\] torch.float32 tensor, got \({S}, {2 * I}\)"):
+    with pytest.raises(ValueError, match=rf"saved aw must be a contiguous \[S={S}, I={I}\] torch.float32 tensor, got \({S}, {2 * I}\)"):
         grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=h)
-    with pytest.raises(ValueError, match=rf"saved rows must be a contiguous \[S={S}, {H}\] torch.float32 tensor"):
+    with pytest.raises(ValueError, match=rf"saved rows must be a contiguous \[S={S}, H={H}\] torch.float32 tensor"):
         grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs[:-1], aw=aw)
 
 

@@ -149,10 +149,10 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     E = w_gate_up.shape[0]
     S, H, I = T * k, x.shape[1], w_down.shape[2]
     check_saved_h(h, S, w_gate_up)
-    for name, kept, cols, dtype in (("rows", xs, H, x.dtype), ("aw", aw, I, w_down.dtype)):
+    for name, kept, dim, cols, dtype in (("rows", xs, "H", H, x.dtype), ("aw", aw, "I", I, w_down.dtype)):
         if kept is not None and (tuple(kept.shape) != (S, cols) or kept.dtype != dtype or not kept.is_contiguous()):
             raise ValueError(
-                f"experts_backward: saved {name} must be a contiguous [S={S}, {cols}] {dtype} tensor, "
+                f"experts_backward: saved {name} must be a contiguous [S={S}, {dim}={cols}] {dtype} tensor, "
                 f"got {tuple(kept.shape)} {kept.dtype}"
             )
     dy = dy.contiguous()  # the gradient of a sum arrives with stride 0
