@@ -22,15 +22,25 @@ from layer_bench import SHAPES, build_block, ensure_moe_fuse_backend  # noqa: E4
 
 
 def stubs():
-    def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None):
+    """Stand-ins with the signatures and output shapes of the kernel entry points the ops call."""
+    from moe_fuse import kernels
+
+    def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None):
         return (torch.empty_like(x), torch.empty(ids.shape, dtype=weights.dtype, device=x.device),
                 torch.empty_like(w_gate_up), torch.empty_like(w_down))
 
-    def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False):
+    def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False, keep_rows=False):
         y = torch.empty_like(x)
-        if save_h:
-            return y, torch.empty(ids.numel(), w_gate_up.shape[1], dtype=w_gate_up.dtype, device=x.device), None
-        return y
+        if not save_h:
+            return y
+        S, E = ids.numel(), w_gate_up.shape[0]
+        h = torch.empty(S, w_gate_up.shape[1], dtype=w_gate_up.dtype, device=x.device)
+        routing = kernels.routing_from_buffer(
+            torch.empty(kernels.routing_buffer_size(S, E), dtype=torch.int32, device=x.device), S, E)
+        if not keep_rows:
+            return y, h, routing
+        return (y, h, routing, torch.empty(S, x.shape[1], dtype=x.dtype, device=x.device),
+                torch.empty(S, w_down.shape[2], dtype=w_down.dtype, device=x.device))
 
     def softmax_topk(logits, top_k, renorm, weights_dtype):
         T = logits.shape[0]
