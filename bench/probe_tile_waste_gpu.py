@@ -19,7 +19,10 @@ Each line: the 128-row tiles CUTLASS runs for those counts, gate_up, down and dW
 per expert, no clusters). ``--triton-sweep``: the Triton gate_up and down at other block shapes.
 ``--spread F``: the row-ragged GEMMs with F-1 empty groups after every expert (an overlapping view
 of the weights), which makes torch pick its 64x128 tiles when the mean rows per group drop to 128.
-Findings: bench/KERNELS_NOTES.md, "Rows CUTLASS computes and drops".
+Findings: bench/KERNELS_NOTES.md, "Rows CUTLASS computes and drops". At 400b600 this probe also
+had ``--ragged`` and ``--fused``, which timed two experimental Triton kernels (a persistent TMA
+row-ragged GEMM, and GEMMs with the SwiGLU / dSwiGLU pass fused in) against CUTLASS. They are not in
+the product: bench/results/probe_ragged_gemm_2026-12-01.log, probe_fused_epilogues_2026-12-01.log.
 """
 from __future__ import annotations
 
@@ -37,8 +40,6 @@ from triton.testing import do_bench  # noqa: E402
 from check_kernels_gpu import PROBE_LAYERS  # noqa: E402
 from moe_fuse.kernels import grouped_gemm  # noqa: E402
 from moe_fuse.kernels.grouped_gemm import GemmConfig  # noqa: E402
-from moe_fuse.kernels.ragged_gemm import RaggedConfig, ragged_gemm  # noqa: E402
-from moe_fuse.kernels import backward, grouped_mm_path, sorted_gemm  # noqa: E402
 from moe_fuse.kernels.routing import route  # noqa: E402
 
 
@@ -59,9 +60,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="30b:16384,30b:4096")
     ap.add_argument("--triton-sweep", action="store_true", help="Triton GEMM block shapes per distribution")
-    ap.add_argument("--ragged", action="store_true", help="kernels/ragged_gemm.py beside CUTLASS, four GEMMs")
-    ap.add_argument("--fused", action="store_true",
-                    help="kernels/sorted_gemm.py against CUTLASS + the SwiGLU / dSwiGLU passes")
     ap.add_argument("--dists", default="exact,off8,wide,router")
     ap.add_argument("--spread", type=int, default=0,
                     help="also time the 2D-3D GEMMs with every expert followed by SPREAD-1 empty groups")
@@ -111,10 +109,6 @@ def main():
             spread = f"min {int(counts.min())} max {int(counts.max())}"
             print(f"  {name:<7} {spread:<18} 128-row tiles run {tiles:5d} (useful {S / 128:.0f})  " + "  ".join(row),
                   flush=True)
-            if args.fused:
-                fused(xs, wgu, wd, r, S, H, I, E, k, gen)
-            if args.ragged:
-                ragged(xs, a, dh, wgu, wd, counts.to(torch.int32), ends, S, H, I)
             if args.spread:
                 spread_groups(xs, a, wgu, wd, ends, args.spread, S, H, I)
             if args.triton_sweep:
@@ -147,96 +141,6 @@ def spread_groups(xs, a, wgu, wd, ends, f, S, H, I):
         ms = do_bench(lambda: torch._grouped_mm(act, spread, offs=offs), warmup=25, rep=200, return_mode="median")
         row.append(f"{label} {ms:.3f} ({flops / ms / 1e9:.0f}, max diff {err:.2g})")
     print(f"    {G} groups (mean {S / G:.0f} rows): " + "  ".join(row), flush=True)
-
-
-FUSED_GATE_UP = [(128, 128, 64, 8, 3)]
-FUSED_DGRAD = [(128, 256, 64, 8, 3, True), (128, 128, 64, 8, 3, True), (128, 256, 64, 8, 3, False),
-               (128, 128, 64, 8, 3, False), (64, 256, 64, 4, 3, True)]
-
-
-def fused(xs, wgu, wd, r, S, H, I, E, k, gen):
-    """Forward: CUTLASS gate_up + the SwiGLU pass vs gate_up_swiglu; backward: CUTLASS dgrad + the
-    dSwiGLU pass vs dgrad_dswiglu + the partials' sum. Outputs compared bitwise."""
-    dev = xs.device
-    rw = torch.rand(S, device=dev, dtype=torch.bfloat16, generator=gen)
-    ends = r.offsets[1:]
-    n = int(r.offsets[-1])
-    dys = torch.randn(S, H, device=dev, dtype=torch.bfloat16, generator=gen)
-
-    def fwd_ref():
-        h = torch._grouped_mm(xs, wgu.transpose(1, 2), offs=ends)
-        return h, grouped_mm_path.swiglu(h, r, rw)
-
-    h_ref, aw_ref = fwd_ref()
-    row = [f"CUTLASS + SwiGLU {do_bench(fwd_ref, warmup=25, rep=200, return_mode='median'):.3f}"]
-    for bm, bn, bk, w, st in FUSED_GATE_UP:
-        c = sorted_gemm.SortedGemmConfig(bm, bn, bk, w, st)
-        try:
-            h, aw = sorted_gemm.gate_up_swiglu(xs, wgu, r, rw, config=c)
-            same = bool(torch.equal(h[:n], h_ref[:n]) and torch.equal(aw[:n], aw_ref[:n]))
-            ms = do_bench(lambda: sorted_gemm.gate_up_swiglu(xs, wgu, r, rw, config=c), warmup=25, rep=200,
-                          return_mode="median")
-            row.append(f"{bm}x{bn}x{bk} w{w} s{st} {ms:.3f} ({'same' if same else 'DIFFERENT'})")
-        except Exception as ex:  # noqa: BLE001
-            row.append(f"{bm}x{bn}x{bk} w{w} s{st} failed ({type(ex).__name__}: {str(ex)[:60]})")
-    print("    fwd  " + " | ".join(row), flush=True)
-
-    def bwd_ref():
-        g = torch._grouped_mm(dys, wd, offs=ends)
-        dh, _, dw = backward.dswiglu(g, h_ref, rw, r, torch.bfloat16, write_aw=False)
-        return dh, dw
-
-    dh_ref, dw_ref = bwd_ref()
-    row = [f"CUTLASS + dSwiGLU {do_bench(bwd_ref, warmup=25, rep=200, return_mode='median'):.3f}"]
-    for bm, bn, bk, w, st, tma_epi in FUSED_DGRAD:
-        c = sorted_gemm.SortedGemmConfig(bm, bn, bk, w, st, tma_epilogue=tma_epi)
-
-        def run():
-            dh, part = sorted_gemm.dgrad_dswiglu(dys, wd, h_ref, r, rw, config=c)
-            return dh, backward.d_weights_by_row(part, r, E, torch.bfloat16)
-
-        try:
-            dh, dw = run()
-            same = bool(torch.equal(dh[:n], dh_ref[:n]))
-            dw_err = ((dw.float() - dw_ref.float()).abs().max() / dw_ref.float().abs().max()).item()
-            ms = do_bench(run, warmup=25, rep=200, return_mode="median")
-            row.append(f"{bm}x{bn}x{bk} w{w} s{st}{' tma' if tma_epi else ''} {ms:.3f} "
-                       f"(dh {'same' if same else 'DIFFERENT'}, dw {dw_err:.1g})")
-        except Exception as ex:  # noqa: BLE001
-            row.append(f"{bm}x{bn}x{bk} w{w} s{st} failed ({type(ex).__name__}: {str(ex)[:60]})")
-    print("    bwd  " + " | ".join(row), flush=True)
-
-
-# (block_m, block_n, block_k, warps, stages, programs per SM (0: one per tile), option)
-RAGGED_SWEEP = [(128, 256, 64, 8, 3, 1, ""), (128, 512, 64, 8, 3, 1, "ctas2"), (256, 256, 64, 8, 3, 1, "ctas2"),
-                (256, 128, 64, 8, 3, 1, "ctas2"), (128, 256, 64, 4, 3, 1, "ctas2")]
-
-
-def ragged(xs, a, dh, wgu, wd, counts, ends, S, H, I):
-    """The four row-ragged GEMMs through CUTLASS and through ragged_gemm at each RAGGED_SWEEP shape."""
-    dys = xs  # any [S, H] operand times the same
-    for label, act, b, kmajor, cutlass, flops in (
-        ("gate_up", xs, wgu, True, lambda: torch._grouped_mm(xs, wgu.transpose(1, 2), offs=ends), 4 * S * H * I),
-        ("down", a, wd, True, lambda: torch._grouped_mm(a, wd.transpose(1, 2), offs=ends), 2 * S * H * I),
-        ("dgrad", dys, wd, False, lambda: torch._grouped_mm(dys, wd, offs=ends), 2 * S * H * I),
-        ("dx", dh, wgu, False, lambda: torch._grouped_mm(dh, wgu, offs=ends), 4 * S * H * I),
-    ):
-        ref = cutlass()
-        n = int(ends[-1])
-        row = [f"CUTLASS {do_bench(cutlass, warmup=25, rep=200, return_mode='median'):.3f}"]
-        for bm, bn, bk, w, st, per_sm, opt in RAGGED_SWEEP:
-            c = RaggedConfig(bm, bn, bk, w, st, programs_per_sm=per_sm, split_tail=opt == "split_tail",
-                             flatten=opt == "flatten", num_ctas=2 if opt == "ctas2" else 1)
-            tag = f"{bm}x{bn}x{bk} w{w} s{st} p{per_sm} {opt or 'plain'}"
-            try:
-                out = ragged_gemm(act, b, counts, b_kmajor=kmajor, config=c)
-                err = (out[:n].float() - ref[:n].float()).abs().max().item()
-                ms = do_bench(lambda: ragged_gemm(act, b, counts, b_kmajor=kmajor, config=c), warmup=25, rep=200,
-                              return_mode="median")
-                row.append(f"{tag} {ms:.3f} (diff {err:.2g})")
-            except Exception as ex:  # noqa: BLE001 - a shape that does not fit is reported, not fatal
-                row.append(f"{tag} failed ({type(ex).__name__}: {str(ex)[:60]})")
-        print(f"    {label:<8} " + " | ".join(row), flush=True)
 
 
 # (block_m, block_n, block_k, group_m, warps, stages); TMA weights throughout
