@@ -7,7 +7,8 @@
 Variants: hf_grouped_mm (eager reference), hf_inductor (the peer), moe_fuse, moe_fuse_triton (the
 same backend with its all-Triton GEMMs: kernels.grouped_mm_path off), liger (if importable),
 grouped_gemms_only (lower bound); on request hf_inductor_cudagraphs and moe_fuse_cudagraphs (the same
-under mode="reduce-overhead"). Each is checked against eager on fresh random
+under mode="reduce-overhead") and moe_fuse_grouped_mm (the row-ragged GEMMs through torch._grouped_mm
+instead of kernels/ragged_gemm.py). Each is checked against eager on fresh random
 inputs before it is timed; an exception becomes an error row. Columns: bench/README.md.
 """
 import argparse, copy, json, math, os, platform, signal, statistics, sys, time, traceback, types
@@ -33,6 +34,8 @@ SHAPES = {  # name: (hidden H, moe_intermediate I, experts E, top-k)
 VARIANTS = ["hf_grouped_mm", "hf_inductor", "moe_fuse", "moe_fuse_triton", "liger", "grouped_gemms_only"]
 # On request only (--variants): the two compiled paths under mode="reduce-overhead" (CUDA graphs).
 CUDAGRAPH_VARIANTS = ["hf_inductor_cudagraphs", "moe_fuse_cudagraphs"]
+# On request only: moe_fuse with its row-ragged GEMMs through torch._grouped_mm (A/B of kernels/ragged_gemm.py).
+AB_VARIANTS = ["moe_fuse_grouped_mm"]
 PEER = "hf_inductor"
 TOL = 2e-2
 
@@ -303,6 +306,14 @@ def run_case(shape, T, dev, dtype, args, rows):
         try:
             if name == "grouped_gemms_only":
                 run_gemms(block, T, dev, dtype, args, rf, rb)
+            elif name == "moe_fuse_grouped_mm":
+                from moe_fuse.kernels import grouped_mm_path
+
+                grouped_mm_path.RAGGED_TRITON = False  # read at every call of the experts op
+                try:
+                    run_block_variant(name, block, T, dev, dtype, args, rf, rb)
+                finally:
+                    grouped_mm_path.RAGGED_TRITON = True
             elif name == "moe_fuse_triton":
                 from moe_fuse.kernels import grouped_mm_path
 
@@ -396,7 +407,7 @@ def plot(rows, peak, out_dir):
     fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         cases = sorted({(r["shape"], r["T"]) for r in rows if r["mode"] == mode})
-        names = [v for v in VARIANTS + CUDAGRAPH_VARIANTS if any(r["variant"] == v for r in rows)]
+        names = [v for v in VARIANTS + CUDAGRAPH_VARIANTS + AB_VARIANTS if any(r["variant"] == v for r in rows)]
         w = 0.8 / max(1, len(names))
         for i, v in enumerate(names):
             rs = [next((r for r in rows if (r["shape"], r["T"], r["mode"], r["variant"]) == (s, T, mode, v)), {})
@@ -426,9 +437,9 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny fp32 config on the CPU (implies --backward)")
     args = ap.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in args.variants if v not in VARIANTS + CUDAGRAPH_VARIANTS]
+    unknown = [v for v in args.variants if v not in VARIANTS + CUDAGRAPH_VARIANTS + AB_VARIANTS]
     if unknown:
-        ap.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS + CUDAGRAPH_VARIANTS)}")
+        ap.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS + CUDAGRAPH_VARIANTS + AB_VARIANTS)}")
     if args.cpu_smoke:
         dev, dtype, args.backward, args.quick = torch.device("cpu"), torch.float32, True, True
         os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")  # its autotuner fails in the interpreter

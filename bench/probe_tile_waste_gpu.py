@@ -61,6 +61,8 @@ def main():
     ap.add_argument("--cases", default="30b:16384,30b:4096")
     ap.add_argument("--triton-sweep", action="store_true", help="Triton GEMM block shapes per distribution")
     ap.add_argument("--dists", default="exact,off8,wide,router", help="any of exact,off8,wide,a128,a64,router")
+    ap.add_argument("--ragged", action="store_true",
+                    help="the four row-ragged GEMMs: kernels/ragged_gemm.py vs CUTLASS, interleaved, bitwise")
     ap.add_argument("--spread", type=int, default=0,
                     help="also time the 2D-3D GEMMs with every expert followed by SPREAD-1 empty groups")
     args = ap.parse_args()
@@ -109,10 +111,39 @@ def main():
             spread = f"min {int(counts.min())} max {int(counts.max())}"
             print(f"  {name:<7} {spread:<18} 128-row tiles run {tiles:5d} (useful {S / 128:.0f})  " + "  ".join(row),
                   flush=True)
+            if args.ragged:
+                ragged(xs, a, dh, wgu, wd, r, ends, S)
             if args.spread:
                 spread_groups(xs, a, wgu, wd, ends, args.spread, S, H, I)
             if args.triton_sweep:
                 sweep(x, r, wgu, wd, a, k, S)
+
+
+def ragged(xs, a, dh, wgu, wd, r, ends, S, rounds=3):
+    """The four row-ragged GEMMs through kernels/ragged_gemm.py and through CUTLASS, timed in turn
+    ``rounds`` times (ours, CUTLASS, ours, ...) so that the card's clock drifts over both alike; the
+    tile map is built once, as the layer does per routing. "same": outputs bitwise equal on the
+    routed rows."""
+    from moe_fuse.kernels.ragged_gemm import ragged_gemm, tile_map
+
+    tiles = tile_map(r.offsets, S)
+    n = int(r.offsets[-1])
+    row = []
+    sums = [0.0, 0.0]
+    for label, act, w, kmajor in (("gate_up", xs, wgu, True), ("down", a, wd, True),
+                                  ("dgrad", xs, wd, False), ("dx", dh, wgu, False)):
+        ours = lambda: ragged_gemm(act, w, tiles, b_kmajor=kmajor)  # noqa: E731
+        cutlass = lambda: torch._grouped_mm(act, w.transpose(1, 2) if kmajor else w, offs=ends)  # noqa: E731
+        same = torch.equal(ours()[:n], cutlass()[:n])
+        t = [[], []]
+        for _ in range(rounds):
+            for i, fn in enumerate((ours, cutlass)):
+                t[i].append(do_bench(fn, warmup=10, rep=100, return_mode="median"))
+        med = [sorted(v)[len(v) // 2] for v in t]
+        sums = [sums[0] + med[0], sums[1] + med[1]]
+        row.append(f"{label} {med[0]:.3f} vs {med[1]:.3f}{'' if same else ' DIFFERENT'}")
+    print(f"    ragged_gemm vs CUTLASS (medians of {rounds} alternating): " + " | ".join(row)
+          + f" | sum {sums[0]:.3f} vs {sums[1]:.3f}", flush=True)
 
 
 def spread_groups(xs, a, wgu, wd, ends, f, S, H, I):

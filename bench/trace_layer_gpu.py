@@ -10,7 +10,8 @@ power that nvidia-smi reports before each trace (read only). --no-overlap: the a
 weight gradients on one stream (the grouped_mm path always uses one). --paced: whether the card
 slows down under sustained load (power, clocks), and the GPU's idle time between back-to-back steps.
 --sustain S: S seconds of steps right before each trace, so the trace shows the card at its power
-limit. --power: each backend's step run back to back with nvidia-smi samples of the SM clock, power
+limit. --order takes "moe_fuse_cutlass" too: moe_fuse with torch._grouped_mm
+for the row-ragged GEMMs. --power: each backend's step run back to back with nvidia-smi samples of the SM clock, power
 and whether the software power cap is active (bench/power.py).
 """
 
@@ -97,6 +98,33 @@ def host_check(step, n=20):
     return (t1 - t0) * 1e3 / n, start.elapsed_time(end) / n, syncs
 
 
+def backend_step(name, block, x, dy, params, compiled):
+    """One layer step under backend ``name``; "moe_fuse_cutlass" is moe_fuse with its four row-ragged
+    GEMMs through torch._grouped_mm (kernels.grouped_mm_path.RAGGED_TRITON off, read at every call).
+    The first time both moe_fuse steps exist, their outputs and gradients are compared bitwise."""
+    if name != "moe_fuse_cutlass":
+        return layer_step(torch.compile(block, backend=name), x, dy, params)
+    from moe_fuse.kernels import grouped_mm_path
+
+    inner = layer_step(torch.compile(block, backend="moe_fuse"), x, dy, params)
+
+    def step():
+        grouped_mm_path.RAGGED_TRITON = False
+        try:
+            inner()
+        finally:
+            grouped_mm_path.RAGGED_TRITON = True
+
+    if "moe_fuse" in compiled:
+        got = []
+        for run in (compiled["moe_fuse"], step):
+            run()
+            got.append([p.grad.clone() for p in params])
+        same = all(torch.equal(a, b) for a, b in zip(*got))
+        print(f"== moe_fuse vs moe_fuse_cutlass: gradients of x and every parameter bitwise equal: {same}", flush=True)
+    return step
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="30b", choices=sorted(SHAPES))
@@ -134,7 +162,7 @@ def main():
         compiled = {"gemms": gemms_step}
         for name in args.order.split(","):
             if name not in compiled:
-                compiled[name] = layer_step(torch.compile(block, backend=name), x, dy, params)
+                compiled[name] = backend_step(name, block, x, dy, params, compiled)
             step = compiled[name]
             med = do_bench(step, warmup=20, rep=200, return_mode="median")
             ms, smp = run_sustained(step, 4.0)
@@ -142,8 +170,9 @@ def main():
         return
     compiled = {}
     for name in args.order.split(","):
-        fn = compiled.setdefault(name, torch.compile(block, backend=name))
-        step = layer_step(fn, x, dy, params)
+        if name not in compiled:
+            compiled[name] = backend_step(name, block, x, dy, params, compiled)
+        step = compiled[name]
 
         ms = do_bench(step, warmup=20, rep=200, return_mode="median")
         enq, period, syncs = host_check(step)

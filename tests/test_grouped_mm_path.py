@@ -1,10 +1,11 @@
-"""kernels/grouped_mm_path.py (every GEMM through torch._grouped_mm) against the float64 reference.
+"""kernels/grouped_mm_path.py (GEMMs through torch._grouped_mm, the row-ragged ones through
+kernels/ragged_gemm.py unless RAGGED_TRITON is off) against the float64 reference.
 
-On CPU, torch._grouped_mm is torch's fallback and the Triton kernels around it (SwiGLU, dSwiGLU,
+On CPU, torch._grouped_mm is torch's fallback and the Triton kernels (ragged GEMM, SwiGLU, dSwiGLU,
 combines) run in the interpreter; on the GPU the same functions run CUTLASS. ``applies`` is False on
 CPU, so the path's functions are called directly (the dispatch test pretends it is True). Rows
-outside every group (expert-parallel sentinels) come back from _grouped_mm as NaN here: nothing may
-read them.
+outside every group (expert-parallel sentinels) come back from either GEMM as NaN here: nothing may
+read them. Every test runs with RAGGED_TRITON on and off.
 """
 
 import os
@@ -36,9 +37,10 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def nan_outside_groups(monkeypatch):
-    """_grouped_mm with the rows (or, for weight gradients, nothing) outside every group set to NaN."""
+@pytest.fixture(autouse=True, params=[True, False], ids=["ragged_triton", "grouped_mm"])
+def nan_outside_groups(monkeypatch, request):
+    """Both GEMM routes with the rows (or, for weight gradients, nothing) outside every group set to NaN."""
+    monkeypatch.setattr(grouped_mm_path, "RAGGED_TRITON", request.param)
     real = torch._grouped_mm
 
     def poisoned(a, b, offs=None, **kw):
@@ -47,7 +49,15 @@ def nan_outside_groups(monkeypatch):
             out[int(offs[-1]):] = float("nan")
         return out
 
+    real_ragged = grouped_mm_path.ragged_gemm
+
+    def poisoned_ragged(a, b, tiles, *, b_kmajor):
+        n = b.shape[1] if b_kmajor else b.shape[2]
+        out = torch.full((a.shape[0], n), float("nan"), dtype=a.dtype, device=a.device)
+        return real_ragged(a, b, tiles, b_kmajor=b_kmajor, out=out)  # writes every routed row, no other
+
     monkeypatch.setattr(torch, "_grouped_mm", poisoned)
+    monkeypatch.setattr(grouped_mm_path, "ragged_gemm", poisoned_ragged)
 
 
 def check(got, want, like, tol, names):

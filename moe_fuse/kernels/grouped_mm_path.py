@@ -34,10 +34,14 @@ import triton.language as tl
 from ._jit import cdiv, interpreting, lazy_jit
 from .backward import check_saved_h, dswiglu
 from .permute import combine_sorted, expand_rows
+from .ragged_gemm import ragged_gemm, tile_map
 from .routing import Routing, route
 
 # Off: the all-Triton GEMMs (kernels/grouped_gemm.py, kernels/backward.py) wherever this path would apply.
 ENABLED = True
+# The four row-ragged GEMMs (gate_up, down, dgrad, dx) through kernels/ragged_gemm.py (128-row steps per
+# expert) instead of torch._grouped_mm (256-row steps on sm90). Off: every GEMM through torch.
+RAGGED_TRITON = True
 _CAPABILITY: dict = {}
 
 
@@ -108,8 +112,17 @@ def swiglu(h: torch.Tensor, routing: Routing, rw: torch.Tensor) -> torch.Tensor:
     return a
 
 
-def _gate_up(xs, w_gate_up, ends):
-    return torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=ends)
+def _row_gemm(a, w, tiles, ends, *, w_kmajor):
+    """a[p] @ W[e] for each expert's rows: W[e] = w[e]^T with ``w_kmajor`` (nn.Linear weights), else w[e].
+
+    tiles: ``tile_map(routing.offsets, S)``, or None when RAGGED_TRITON is off."""
+    if tiles is not None:
+        return ragged_gemm(a, w, tiles, b_kmajor=w_kmajor)
+    return torch._grouped_mm(a, w.transpose(1, 2) if w_kmajor else w, offs=ends)
+
+
+def _tiles(routing: Routing, rows: int):
+    return tile_map(routing.offsets, rows) if RAGGED_TRITON else None
 
 
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False):
@@ -124,14 +137,15 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     E = w_gate_up.shape[0]
     routing = route(ids, E)
     ends = routing.offsets[1:]
+    tiles = _tiles(routing, T * k)
     xs = expand_rows(x, routing.pos.view(T, k))  # = x[routing.token], reading x once
-    h = _gate_up(xs, w_gate_up, ends)
+    h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
     if not (save_h and keep_rows):
         del xs
     # The routing weight scales the down GEMM's input rows, not its output: the combine then only
     # sums, and the scaled rows are dW_down's operand too.
     aw = swiglu(h, routing, weights.reshape(-1).contiguous())
-    o = torch._grouped_mm(aw, w_down.transpose(1, 2), offs=ends)
+    o = _row_gemm(aw, w_down, tiles, ends, w_kmajor=True)
     y = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
     if not save_h:
         return y
@@ -160,19 +174,20 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     if routing is None:
         routing = route(ids, E)
     ends = routing.offsets[1:]
+    tiles = _tiles(routing, S)
     if xs is None:
         xs = expand_rows(x, routing.pos.view(T, k))
     if h is None:
-        h = _gate_up(xs, w_gate_up, ends)
+        h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
     dys = expand_rows(dy, routing.pos.view(T, k))
-    g = torch._grouped_mm(dys, w_down, offs=ends)  # [S, I]
+    g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
     dh, aw_now, d_weights = dswiglu(g, h, weights.reshape(-1).contiguous(), routing, weights.dtype, write_aw=aw is None)
     aw = aw_now if aw is None else aw
     del g
     # One stream: each CUTLASS GEMM fills every SM, so a weight-gradient GEMM on a second stream only
     # starts when the one before it ends (bench/results/trace_layer_paced_2026-11-30.log); layer steps
     # measured the same with and without (bench/PERF_LOG.md).
-    o = torch._grouped_mm(dh, w_gate_up, offs=ends)  # [S, H]
+    o = _row_gemm(dh, w_gate_up, tiles, ends, w_kmajor=False)  # [S, H]
     dx = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
     del o
     d_wgu = torch._grouped_mm(dh.t(), xs, offs=ends)
@@ -181,4 +196,4 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     return dx, d_weights.view(T, k), d_wgu, d_wd
 
 
-__all__ = ["ENABLED", "applies", "experts_backward", "experts_forward", "swiglu"]
+__all__ = ["ENABLED", "RAGGED_TRITON", "applies", "experts_backward", "experts_forward", "swiglu"]
