@@ -19,6 +19,7 @@ Each line: the 128-row tiles CUTLASS runs for those counts, gate_up, down and dW
 per expert, no clusters). ``--triton-sweep``: the Triton gate_up and down at other block shapes.
 ``--spread F``: the row-ragged GEMMs with F-1 empty groups after every expert (an overlapping view
 of the weights), which makes torch pick its 64x128 tiles when the mean rows per group drop to 128.
+``--ragged``: the four row-ragged GEMMs through kernels/ragged_gemm.py and CUTLASS, timed in turn.
 Findings: bench/KERNELS_NOTES.md, "Rows CUTLASS computes and drops". At 400b600 this probe also
 had ``--ragged`` and ``--fused``, which timed two experimental Triton kernels (a persistent TMA
 row-ragged GEMM, and GEMMs with the SwiGLU / dSwiGLU pass fused in) against CUTLASS. They are not in
@@ -132,8 +133,12 @@ def ragged(xs, a, dh, wgu, wd, r, ends, S, rounds=3):
     sums = [0.0, 0.0]
     for label, act, w, kmajor in (("gate_up", xs, wgu, True), ("down", a, wd, True),
                                   ("dgrad", xs, wd, False), ("dx", dh, wgu, False)):
-        ours = lambda: ragged_gemm(act, w, tiles, b_kmajor=kmajor)  # noqa: E731
-        cutlass = lambda: torch._grouped_mm(act, w.transpose(1, 2) if kmajor else w, offs=ends)  # noqa: E731
+        def ours():
+            return ragged_gemm(act, w, tiles, b_kmajor=kmajor)
+
+        def cutlass():
+            return torch._grouped_mm(act, w.transpose(1, 2) if kmajor else w, offs=ends)
+
         same = torch.equal(ours()[:n], cutlass()[:n])
         t = [[], []]
         for _ in range(rounds):
@@ -142,7 +147,7 @@ def ragged(xs, a, dh, wgu, wd, r, ends, S, rounds=3):
         med = [sorted(v)[len(v) // 2] for v in t]
         sums = [sums[0] + med[0], sums[1] + med[1]]
         row.append(f"{label} {med[0]:.3f} vs {med[1]:.3f}{'' if same else ' DIFFERENT'}")
-    print(f"    ragged_gemm vs CUTLASS (medians of {rounds} alternating): " + " | ".join(row)
+    print(f"    ragged_gemm vs CUTLASS (medians of {rounds} in turn): " + " | ".join(row)
           + f" | sum {sums[0]:.3f} vs {sums[1]:.3f}", flush=True)
 
 

@@ -98,22 +98,30 @@ def host_check(step, n=20):
     return (t1 - t0) * 1e3 / n, start.elapsed_time(end) / n, syncs
 
 
-def backend_step(name, block, x, dy, params, compiled):
-    """One layer step under backend ``name``; "moe_fuse_cutlass" is moe_fuse with its four row-ragged
-    GEMMs through torch._grouped_mm (kernels.grouped_mm_path.RAGGED_TRITON off, read at every call).
-    The first time both moe_fuse steps exist, their outputs and gradients are compared bitwise."""
-    if name != "moe_fuse_cutlass":
-        return layer_step(torch.compile(block, backend=name), x, dy, params)
-    from moe_fuse.kernels import grouped_mm_path
+# moe_fuse with one kernel switch flipped (module, attribute, value), read at every call of the experts op
+SWITCHED = {
+    "moe_fuse_cutlass": ("moe_fuse.kernels.grouped_mm_path", "RAGGED_TRITON", False),  # row-ragged GEMMs in torch
+}
 
+
+def backend_step(name, block, x, dy, params, compiled):
+    """One layer step under backend ``name``, or under moe_fuse with a SWITCHED kernel switch. The first
+    time a switched step and moe_fuse's both exist, their gradients are compared bitwise."""
+    if name not in SWITCHED:
+        return layer_step(torch.compile(block, backend=name), x, dy, params)
+    import importlib
+
+    module, attr, value = SWITCHED[name]
+    module = importlib.import_module(module)
     inner = layer_step(torch.compile(block, backend="moe_fuse"), x, dy, params)
 
     def step():
-        grouped_mm_path.RAGGED_TRITON = False
+        before = getattr(module, attr)
+        setattr(module, attr, value)
         try:
             inner()
         finally:
-            grouped_mm_path.RAGGED_TRITON = True
+            setattr(module, attr, before)
 
     if "moe_fuse" in compiled:
         got = []
@@ -121,7 +129,7 @@ def backend_step(name, block, x, dy, params, compiled):
             run()
             got.append([p.grad.clone() for p in params])
         same = all(torch.equal(a, b) for a, b in zip(*got))
-        print(f"== moe_fuse vs moe_fuse_cutlass: gradients of x and every parameter bitwise equal: {same}", flush=True)
+        print(f"== moe_fuse vs {name}: gradients of x and every parameter bitwise equal: {same}", flush=True)
     return step
 
 
