@@ -64,6 +64,8 @@ def main():
     ap.add_argument("--dists", default="exact,off8,wide,router", help="any of exact,off8,wide,a128,a64,router")
     ap.add_argument("--ragged", action="store_true",
                     help="the four row-ragged GEMMs: kernels/ragged_gemm.py vs CUTLASS, interleaved, bitwise")
+    ap.add_argument("--host", action="store_true",
+                    help="host time to enqueue one ragged_gemm / tile_map / torch._grouped_mm call")
     ap.add_argument("--spread", type=int, default=0,
                     help="also time the 2D-3D GEMMs with every expert followed by SPREAD-1 empty groups")
     args = ap.parse_args()
@@ -114,6 +116,8 @@ def main():
                   flush=True)
             if args.ragged:
                 ragged(xs, a, dh, wgu, wd, r, ends, S)
+            if args.host:
+                host_cost(xs, wgu, r, ends, S)
             if args.spread:
                 spread_groups(xs, a, wgu, wd, ends, args.spread, S, H, I)
             if args.triton_sweep:
@@ -149,6 +153,54 @@ def ragged(xs, a, dh, wgu, wd, r, ends, S, rounds=3):
         row.append(f"{label} {med[0]:.3f} vs {med[1]:.3f}{'' if same else ' DIFFERENT'}")
     print(f"    ragged_gemm vs CUTLASS (medians of {rounds} in turn): " + " | ".join(row)
           + f" | sum {sums[0]:.3f} vs {sums[1]:.3f}", flush=True)
+
+
+def host_cost(xs, wgu, r, ends, S, calls=50):
+    """Microseconds of host time per call, enqueued back to back without syncs (the GPU works on
+    a long GEMM queued first, so no call waits for it)."""
+    import time
+
+    from moe_fuse.kernels.ragged_gemm import ragged_gemm, tile_map
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from moe_fuse.kernels import ragged_gemm as rg
+
+    tiles = tile_map(r.offsets, S)
+    E, N, K = wgu.shape
+    out = torch.empty(S, N, dtype=xs.dtype, device=xs.device)
+    c = rg.GPU_CONFIG
+    a_desc = TensorDescriptor.from_tensor(xs, [c.block_m, c.block_k])
+    b_desc = TensorDescriptor.from_tensor(wgu.view(E * N, K), [c.block_n, c.block_k])
+
+    def launch_only():  # the Triton launch with descriptors made once
+        rg._ragged_gemm_kernel[(132,)](
+            xs, a_desc, wgu, b_desc, out, tiles, N, K, xs.stride(0), wgu.stride(0), wgu.stride(1), wgu.stride(2),
+            out.stride(0), 132, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, B_KMAJOR=True,
+            USE_TMA=True, IEEE=False, num_warps=c.num_warps, num_stages=c.num_stages)
+
+    cases = {
+        "descriptors": lambda: (TensorDescriptor.from_tensor(xs, [c.block_m, c.block_k]),
+                                TensorDescriptor.from_tensor(wgu.view(E * N, K), [c.block_n, c.block_k])),
+        "launch only": launch_only,
+        "tile_map": lambda: tile_map(r.offsets, S),
+        "ragged_gemm": lambda: ragged_gemm(xs, wgu, tiles, b_kmajor=True),
+        "torch._grouped_mm": lambda: torch._grouped_mm(xs, wgu.transpose(1, 2), offs=ends),
+    }
+    row = []
+    for name, fn in cases.items():
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            for _ in range(4):  # keep the GPU busy while the host enqueues
+                torch._grouped_mm(xs, wgu.transpose(1, 2), offs=ends)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        row.append(f"{name} {best:.1f} us")
+    torch.cuda.synchronize()
+    print("    host per call: " + " | ".join(row), flush=True)
 
 
 def spread_groups(xs, a, wgu, wd, ends, f, S, H, I):

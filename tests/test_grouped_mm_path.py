@@ -41,6 +41,7 @@ CASES = {
 def nan_outside_groups(monkeypatch, request):
     """Both GEMM routes with the rows (or, for weight gradients, nothing) outside every group set to NaN."""
     monkeypatch.setattr(grouped_mm_path, "RAGGED_TRITON", request.param)
+    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)  # the test cases have a few hundred rows
     real = torch._grouped_mm
 
     def poisoned(a, b, offs=None, **kw):
@@ -159,3 +160,19 @@ def test_dispatch_takes_the_path_for_training_only(monkeypatch):
     empty = [t[:0] for t in args[:3]] + args[3:]
     assert kernels.experts_forward(*empty, save_h=True, keep_rows=True)[3:] == (None, None)  # S = 0: the Triton path
     assert len(calls) == 3
+
+
+def test_ragged_gemm_from_min_rows_up(monkeypatch):
+    """The row-ragged GEMMs go through ragged_gemm from RAGGED_MIN_ROWS routed rows up, else through torch."""
+    args = make_case(12, 2, 4, 16, 8, torch.float32, seed=5)
+    dy = torch.randn(12, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    monkeypatch.setattr(grouped_mm_path, "RAGGED_TRITON", True)  # whatever the fixture chose
+    calls = []
+    real = grouped_mm_path.ragged_gemm
+    monkeypatch.setattr(grouped_mm_path, "ragged_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for min_rows, want in ((24, 4), (25, 0)):  # 12 tokens x k=2 = 24 rows
+        monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", min_rows)
+        calls.clear()
+        _, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
+        grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
+        assert len(calls) == want, (min_rows, len(calls))

@@ -40,8 +40,12 @@ from .routing import Routing, route
 # Off: the all-Triton GEMMs (kernels/grouped_gemm.py, kernels/backward.py) wherever this path would apply.
 ENABLED = True
 # The four row-ragged GEMMs (gate_up, down, dgrad, dx) through kernels/ragged_gemm.py (128-row steps per
-# expert) instead of torch._grouped_mm (256-row steps on sm90). Off: every GEMM through torch.
+# expert) instead of torch._grouped_mm (256-row steps on sm90), from RAGGED_MIN_ROWS routed rows up. Off:
+# every GEMM through torch. Below ~64K rows (T=4096 at k=8) the layer step is host-bound on the H200's
+# host, and a ragged_gemm call costs ~120 us of host time against ~33 for torch._grouped_mm
+# (bench/PERF_LOG.md): there the 30B step measured 3.34 ms with it and 2.70 without.
 RAGGED_TRITON = True
+RAGGED_MIN_ROWS = 65536
 _CAPABILITY: dict = {}
 
 
@@ -122,7 +126,7 @@ def _row_gemm(a, w, tiles, ends, *, w_kmajor):
 
 
 def _tiles(routing: Routing, rows: int):
-    return tile_map(routing.offsets, rows) if RAGGED_TRITON else None
+    return tile_map(routing.offsets, rows) if RAGGED_TRITON and rows >= RAGGED_MIN_ROWS else None
 
 
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False):
@@ -196,4 +200,4 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     return dx, d_weights.view(T, k), d_wgu, d_wd
 
 
-__all__ = ["ENABLED", "RAGGED_TRITON", "applies", "experts_backward", "experts_forward", "swiglu"]
+__all__ = ["ENABLED", "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "experts_backward", "experts_forward", "swiglu"]

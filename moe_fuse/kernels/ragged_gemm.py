@@ -164,6 +164,17 @@ def _ragged_gemm_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
 
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    # Cached: this launcher runs four times a layer step, and at T=4096 the step is host-bound.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
 def _tma_ok(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
 
@@ -187,7 +198,8 @@ def ragged_gemm(
             "need a [R, K] of b's dtype"
         )
     R = a.shape[0]
-    cfg = INTERPRETER_CONFIG if interpreting() else GPU_CONFIG
+    interpret = interpreting()
+    cfg = INTERPRETER_CONFIG if interpret else GPU_CONFIG
     if tiles.dtype != torch.int32 or tiles.numel() != 1 + 3 * (R // cfg.block_m + E):
         raise ValueError(
             f"ragged_gemm: tiles ({tiles.numel()} {tiles.dtype}) is not tile_map(offsets, rows={R}) of {E} experts"
@@ -201,7 +213,7 @@ def ragged_gemm(
         return out
     a = a if a.stride(1) == 1 else a.contiguous()
     b = b.contiguous()
-    use_tma = not interpreting() and a.is_cuda and K % cfg.block_k == 0 and _tma_ok(a) and _tma_ok(b)
+    use_tma = not interpret and a.is_cuda and K % cfg.block_k == 0 and _tma_ok(a) and _tma_ok(b)
     a_desc = b_desc = None
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -212,17 +224,14 @@ def ragged_gemm(
         else:
             b_desc = TensorDescriptor.from_tensor(b.view(E * K, N), [cfg.block_k, cfg.block_n])
     num_tiles = (R // cfg.block_m + E) * cdiv(N, cfg.block_n)  # a bound: the count is on the device
-    if a.is_cuda:
-        num_programs = min(num_tiles, torch.cuda.get_device_properties(a.device).multi_processor_count)
-    else:
-        num_programs = min(num_tiles, 4)
+    num_programs = min(num_tiles, _sm_count(a.device) if a.is_cuda else 4)
     # B[e][k, n] = b[e, n, k] (b_kmajor) or b[e, k, n]
     stride_bn, stride_bk = (b.stride(1), b.stride(2)) if b_kmajor else (b.stride(2), b.stride(1))
     _ragged_gemm_kernel[(num_programs,)](
         a, a_desc, b, b_desc, out, tiles,
         N, K, a.stride(0), b.stride(0), stride_bn, stride_bk, out.stride(0), num_programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, B_KMAJOR=b_kmajor, USE_TMA=use_tma,
-        IEEE=interpreting() or a.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IEEE=interpret or a.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
