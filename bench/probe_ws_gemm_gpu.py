@@ -10,8 +10,12 @@ AutoWS pass: one producer warp group issuing the TMA loads, two consumer warp gr
 kernel cannot stay). So here the tile -> (expert, first row, end row) map is built before the GEMM,
 and each program of the persistent grid only loads three integers per tile.
 
-Each row: the four row-ragged GEMMs of the 30B backward and forward (gate_up, down, dgrad, dx) through
-CUTLASS and through this kernel with its variants; "diff" is the max abs difference to CUTLASS.
+Each variant runs in a subprocess that is killed after ``--timeout`` seconds. Each line gives the four
+row-ragged GEMMs of the 30B layer (gate_up, down, dgrad, dx), this kernel's ms against CUTLASS's, and
+"diff", the max abs difference to CUTLASS. On the H200 with triton 3.6 every warp-specialized
+variant hung, and only the unspecialized one (variant 0) finished
+(bench/results/probe_ws_gemm_2026-12-01.log, bench/KERNELS_NOTES.md). The product's kernel is
+moe_fuse/kernels/ragged_gemm.py.
 """
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
-"""The experts block with every GEMM through ``torch._grouped_mm`` and Triton kernels around them.
+"""The experts block as GEMMs on expert-sorted operands, with Triton kernels around them.
 
-Where it applies (CUDA sm90+, everything bf16, 16-byte rows), CUTLASS's grouped GEMMs on contiguous,
+Where it applies (CUDA sm90+, everything bf16, 16-byte rows), grouped GEMMs on contiguous,
 expert-sorted operands run at ~640 TFLOP/s on an H200, against 500-600 for our Triton GEMMs that
-gather their rows inside the A-load (bench/KERNELS_NOTES.md). The price is the expert-sorted copies
+gather their rows inside the A-load (bench/KERNELS_NOTES.md). The weight gradients go through
+``torch._grouped_mm`` (CUTLASS); the four row-ragged GEMMs through ``ragged_gemm`` from
+RAGGED_MIN_ROWS routed rows up (same results bit for bit, less of each expert's tail computed), else
+through ``torch._grouped_mm`` too. The price is the expert-sorted copies
 of x (kept from the forward for the backward, with h [S, 2I] and the routing) and of dy, [S, H]
 each, in memory. The Triton kernels keep what a GEMM library does not do: the routing, the sorted
 copies (``permute.expand_rows``), SwiGLU, the dSwiGLU pass with the routing-weight gradient, and
