@@ -44,11 +44,12 @@ from .routing import Routing, route
 ENABLED = True
 # The four row-ragged GEMMs (gate_up, down, dgrad, dx) through kernels/ragged_gemm.py (128-row steps per
 # expert) instead of torch._grouped_mm (256-row steps on sm90), from RAGGED_MIN_ROWS routed rows up. Off:
-# every GEMM through torch. Below ~64K rows (T=4096 at k=8) the layer step is host-bound on the H200's
-# host, and a ragged_gemm call costs ~120 us of host time against ~33 for torch._grouped_mm
-# (bench/PERF_LOG.md): there the 30B step measured 3.34 ms with it and 2.70 without.
+# every GEMM through torch. A ragged_gemm call costs ~120 us of host time against ~33 for
+# torch._grouped_mm, and the 30B step at T=4096 (32K rows) is host-bound: 3.34 ms with it, 2.70
+# without. At T=16384 (128K rows) it gained ~0.1 ms. 64K rows (T=8192, the training-step benchmark)
+# is unmeasured, so it keeps torch's GEMMs (bench/PERF_LOG.md, bench/KERNELS_NOTES.md).
 RAGGED_TRITON = True
-RAGGED_MIN_ROWS = 65536
+RAGGED_MIN_ROWS = 131072
 _CAPABILITY: dict = {}
 
 
