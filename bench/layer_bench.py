@@ -7,8 +7,8 @@
 Variants: hf_grouped_mm (eager reference), hf_inductor (the peer), moe_fuse, moe_fuse_triton (the
 same backend with its all-Triton GEMMs: kernels.grouped_mm_path off), liger (if importable),
 grouped_gemms_only (lower bound); on request hf_inductor_cudagraphs and moe_fuse_cudagraphs (the same
-under mode="reduce-overhead") and moe_fuse_grouped_mm (the row-ragged GEMMs through torch._grouped_mm
-instead of kernels/ragged_gemm.py). Each is checked against eager on fresh random
+under mode="reduce-overhead"), moe_fuse_grouped_mm and moe_fuse_ragged (the row-ragged GEMMs through
+torch._grouped_mm, or through kernels/ragged_gemm.py, at every size). Each is checked against eager on fresh random
 inputs before it is timed; an exception becomes an error row. Columns: bench/README.md.
 """
 import argparse, copy, json, math, os, platform, signal, statistics, sys, time, traceback, types
@@ -34,8 +34,10 @@ SHAPES = {  # name: (hidden H, moe_intermediate I, experts E, top-k)
 VARIANTS = ["hf_grouped_mm", "hf_inductor", "moe_fuse", "moe_fuse_triton", "liger", "grouped_gemms_only"]
 # On request only (--variants): the two compiled paths under mode="reduce-overhead" (CUDA graphs).
 CUDAGRAPH_VARIANTS = ["hf_inductor_cudagraphs", "moe_fuse_cudagraphs"]
-# On request only: moe_fuse with its row-ragged GEMMs through torch._grouped_mm (A/B of kernels/ragged_gemm.py).
-AB_VARIANTS = ["moe_fuse_grouped_mm"]
+# On request only, A/B of kernels/ragged_gemm.py: moe_fuse with its row-ragged GEMMs through torch._grouped_mm
+# at every size, or through ragged_gemm at every size (grouped_mm_path.RAGGED_MIN_ROWS = 0).
+AB_VARIANTS = ["moe_fuse_grouped_mm", "moe_fuse_ragged"]
+AB_SWITCHES = {"moe_fuse_grouped_mm": ("RAGGED_TRITON", False), "moe_fuse_ragged": ("RAGGED_MIN_ROWS", 0)}
 PEER = "hf_inductor"
 TOL = 2e-2
 
@@ -306,14 +308,16 @@ def run_case(shape, T, dev, dtype, args, rows):
         try:
             if name == "grouped_gemms_only":
                 run_gemms(block, T, dev, dtype, args, rf, rb)
-            elif name == "moe_fuse_grouped_mm":
+            elif name in AB_SWITCHES:
                 from moe_fuse.kernels import grouped_mm_path
 
-                grouped_mm_path.RAGGED_TRITON = False  # read at every call of the experts op
+                attr, value = AB_SWITCHES[name]
+                before = getattr(grouped_mm_path, attr)
+                setattr(grouped_mm_path, attr, value)  # read at every call of the experts op
                 try:
                     run_block_variant(name, block, T, dev, dtype, args, rf, rb)
                 finally:
-                    grouped_mm_path.RAGGED_TRITON = True
+                    setattr(grouped_mm_path, attr, before)
             elif name == "moe_fuse_triton":
                 from moe_fuse.kernels import grouped_mm_path
 

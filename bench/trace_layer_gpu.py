@@ -10,8 +10,8 @@ power that nvidia-smi reports before each trace (read only). --no-overlap: the a
 weight gradients on one stream (the grouped_mm path always uses one). --paced: whether the card
 slows down under sustained load (power, clocks), and the GPU's idle time between back-to-back steps.
 --sustain S: S seconds of steps right before each trace, so the trace shows the card at its power
-limit. --order takes "moe_fuse_cutlass" too: moe_fuse with torch._grouped_mm
-for the row-ragged GEMMs. --power: each backend's step run back to back with nvidia-smi samples of the SM clock, power
+limit. --order takes "moe_fuse_cutlass" and "moe_fuse_ragged" too: moe_fuse with
+the row-ragged GEMMs through torch._grouped_mm, or through kernels/ragged_gemm.py, at every size. --power: each backend's step run back to back with nvidia-smi samples of the SM clock, power
 and whether the software power cap is active (bench/power.py).
 """
 
@@ -101,6 +101,7 @@ def host_check(step, n=20):
 # moe_fuse with one kernel switch flipped (module, attribute, value), read at every call of the experts op
 SWITCHED = {
     "moe_fuse_cutlass": ("moe_fuse.kernels.grouped_mm_path", "RAGGED_TRITON", False),  # row-ragged GEMMs in torch
+    "moe_fuse_ragged": ("moe_fuse.kernels.grouped_mm_path", "RAGGED_MIN_ROWS", 0),  # ragged_gemm at every size
 }
 
 

@@ -9,8 +9,8 @@ last tile is its only partial one, so ~64 rows per expert are wasted.
 Two launches:
 
 - ``tile_map`` lists the M tiles from the routing offsets: int32 [1 + 3 * bound], the tile count,
-  then (expert, first row, end row) per tile. Built once per routing and shared by the GEMMs that
-  use it; no host sync.
+  then (expert, first row, end row) per tile. Built on the device (no host sync), once in the
+  forward and once in the backward, each shared by that pass's GEMMs.
 - ``ragged_gemm`` walks (M tile, N tile) pairs on a persistent grid (one program per SM), N tile
   fastest, so an A tile is read from HBM about once while its expert's weight tiles sit in L2.
   A and B come through tensor descriptors (TMA) where shapes allow.
