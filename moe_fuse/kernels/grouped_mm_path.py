@@ -123,7 +123,7 @@ def swiglu(h: torch.Tensor, routing: Routing, rw: torch.Tensor) -> torch.Tensor:
 def _row_gemm(a, w, tiles, ends, *, w_kmajor):
     """a[p] @ W[e] for each expert's rows: W[e] = w[e]^T with ``w_kmajor`` (nn.Linear weights), else w[e].
 
-    tiles: ``tile_map(routing.offsets, S)``, or None when RAGGED_TRITON is off."""
+    tiles: ``tile_map(routing.offsets, S)``, or None for ``torch._grouped_mm`` (``_tiles``)."""
     if tiles is not None:
         return ragged_gemm(a, w, tiles, b_kmajor=w_kmajor)
     return torch._grouped_mm(a, w.transpose(1, 2) if w_kmajor else w, offs=ends)
