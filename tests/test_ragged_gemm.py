@@ -47,11 +47,13 @@ def test_tile_map_rejects_bad_offsets():
 
 @pytest.mark.parametrize("b_kmajor", [True, False], ids=["kmajor", "kn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ragged_gemm_matches_float64(b_kmajor, dtype):
+# (40, 48): neither a multiple of the blocks (pointer loads); (64, 256): on a GPU, the TMA path (bf16)
+@pytest.mark.parametrize("K,N", [(40, 48), (64, 256)], ids=["ragged_kn", "tma_kn"])
+def test_ragged_gemm_matches_float64(b_kmajor, dtype, K, N):
     gen = torch.Generator().manual_seed(1)
     bm = block_m()
     counts = [bm + 1, 0, 1, bm, 2 * bm + 1, bm - 1]
-    E, K, N = len(counts), 40, 48  # neither a multiple of the interpreter's 32-wide blocks
+    E = len(counts)
     offsets = offsets_of(counts)
     routed = int(offsets[-1])
     R = routed + 3  # sentinel rows

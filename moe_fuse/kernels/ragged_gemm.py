@@ -213,7 +213,10 @@ def ragged_gemm(
         return out
     a = a if a.stride(1) == 1 else a.contiguous()
     b = b.contiguous()
-    use_tma = not interpret and a.is_cuda and K % cfg.block_k == 0 and _tma_ok(a) and _tma_ok(b)
+    # TMA for 2-byte dtypes only: fp32 tiles of this size would not fit three stages in shared memory.
+    use_tma = (
+        not interpret and a.is_cuda and a.element_size() == 2 and K % cfg.block_k == 0 and _tma_ok(a) and _tma_ok(b)
+    )
     a_desc = b_desc = None
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
