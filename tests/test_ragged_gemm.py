@@ -72,6 +72,19 @@ def test_ragged_gemm_matches_float64(b_kmajor, dtype, K, N):
     assert ((got - want).abs().max() / want.abs().max()).item() < tol
 
 
+def test_ragged_gemm_takes_strided_weights():
+    """A transposed view of the weights (no copy made) gives the same product as the contiguous tensor."""
+    bm = block_m()
+    offsets = offsets_of([bm + 2, 3])
+    R = int(offsets[-1])
+    a = torch.randn(R, 24, device=DEVICE)
+    w = torch.randn(2, 24, 40, device=DEVICE)  # [E, K, N]
+    tiles = tile_map(offsets, R)
+    want = ragged_gemm(a, w, tiles, b_kmajor=False)
+    got = ragged_gemm(a, w.transpose(1, 2).contiguous().transpose(1, 2), tiles, b_kmajor=False)
+    torch.testing.assert_close(got, want)
+
+
 def test_ragged_gemm_leaves_rows_outside_every_tile():
     bm = block_m()
     offsets = offsets_of([bm + 3, 2])

@@ -211,8 +211,7 @@ def ragged_gemm(
                          f"got {tuple(out.shape)} {out.dtype}")
     if R == 0 or N == 0:
         return out
-    a = a if a.stride(1) == 1 else a.contiguous()
-    b = b.contiguous()
+    a = a if a.stride(1) == 1 else a.contiguous()  # the pointer path assumes unit column stride; b may have any
     # TMA for 2-byte dtypes only: fp32 tiles of this size would not fit three stages in shared memory.
     use_tma = (
         not interpret and a.is_cuda and a.element_size() == 2 and K % cfg.block_k == 0 and _tma_ok(a) and _tma_ok(b)
