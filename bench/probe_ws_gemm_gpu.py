@@ -63,32 +63,6 @@ def _ws_gemm(a_desc, b_desc, out_ptr, tiles_ptr, N, K, stride_om, num_programs,
                  mask=(rows < row_end)[:, None])
 
 
-@triton.jit
-def _ws_gemm_flat(a_desc, b_desc, out_ptr, tiles_ptr, N, K, stride_om,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KMAJOR: tl.constexpr, WS_INNER: tl.constexpr):
-    # one program per (M tile, N tile); programs past the tile count return at once
-    num_n = tl.cdiv(N, BN)
-    t = tl.program_id(0)
-    m_tile = t // num_n
-    if m_tile < tl.load(tiles_ptr):
-        n0 = (t % num_n) * BN
-        e = tl.load(tiles_ptr + 1 + 3 * m_tile)
-        row0 = tl.load(tiles_ptr + 2 + 3 * m_tile)
-        row_end = tl.load(tiles_ptr + 3 + 3 * m_tile)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in tl.range(0, K, BK, warp_specialize=WS_INNER):
-            a = a_desc.load([row0, k0])
-            if B_KMAJOR:
-                b = b_desc.load([e * N + n0, k0]).T
-            else:
-                b = b_desc.load([e * K + k0, n0])
-            acc = tl.dot(a, b, acc)
-        rows = row0 + tl.arange(0, BM)
-        cols = n0 + tl.arange(0, BN)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(rows < row_end)[:, None])
-
-
 def tile_map(counts: torch.Tensor, bm: int) -> torch.Tensor:
     """int32 [1 + 3 * bound]: the number of M tiles, then (expert, first row, end row) per tile."""
     E = counts.numel()
@@ -119,9 +93,12 @@ def ws_gemm(a, b, tiles, *, b_kmajor, bm, bn, bk, stages, ws, warps=None):
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     warps = warps or (4 if ws else 8)
     if ws.startswith("flat"):
+        # one program per tile: the persistent loop runs at most once (at 4d89733, when the log was
+        # taken, a separate kernel with an `if` in place of the loop)
         bound = (a.shape[0] // bm + E) * triton.cdiv(N, bn)
-        _ws_gemm_flat[(bound,)](a_desc, b_desc, out, tiles, N, K, out.stride(0), BM=bm, BN=bn, BK=bk,
-                                B_KMAJOR=b_kmajor, WS_INNER=ws == "flat_inner", num_warps=warps, num_stages=stages)
+        _ws_gemm[(bound,)](a_desc, b_desc, out, tiles, N, K, out.stride(0), bound, BM=bm, BN=bn, BK=bk,
+                           B_KMAJOR=b_kmajor, WS_OUTER=False, WS_INNER=ws == "flat_inner", num_warps=warps,
+                           num_stages=stages)
         return out
     _ws_gemm[(sms,)](a_desc, b_desc, out, tiles, N, K, out.stride(0), sms, BM=bm, BN=bn, BK=bk, B_KMAJOR=b_kmajor,
                      WS_OUTER=ws == "outer", WS_INNER=ws == "inner", num_warps=warps, num_stages=stages)
