@@ -46,10 +46,10 @@ ENABLED = True
 # expert) instead of torch._grouped_mm (256-row steps on sm90), from RAGGED_MIN_ROWS routed rows up. Off:
 # every GEMM through torch. A ragged_gemm call costs ~120 us of host time against ~33 for
 # torch._grouped_mm, and the 30B step at T=4096 (32K rows) is host-bound: 3.34 ms with it, 2.70
-# without. At T=16384 (128K rows) it gained ~0.1 ms. 64K rows (T=8192, the training-step benchmark)
-# is unmeasured, so it keeps torch's GEMMs (bench/PERF_LOG.md, bench/KERNELS_NOTES.md).
+# without. At T=8192 (64K rows) it gained 0.07 ms of 4.36, at T=16384 (128K rows) ~0.1 ms of 7.8
+# (bench/PERF_LOG.md, bench/KERNELS_NOTES.md).
 RAGGED_TRITON = True
-RAGGED_MIN_ROWS = 131072
+RAGGED_MIN_ROWS = 65536
 _CAPABILITY: dict = {}
 
 
