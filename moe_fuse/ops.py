@@ -76,6 +76,9 @@ def _router_setup_context(ctx, inputs, output):
     logits, _, ids = output
     ctx.save_for_backward(x, weight, logits, ids)
     ctx.renorm = renorm
+    # Outputs without a gradient arrive as None, not as zeros: the logits usually feed nothing that
+    # needs one, and a zero d_logits would cost a fill and a read in every backward.
+    ctx.set_materialize_grads(False)
 
 
 def _router_backward(ctx, d_logits, d_weights, d_ids):

@@ -87,6 +87,30 @@ def test_router_matches_definition(renorm):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)  # the softmax runs in fp32
 
 
+def test_router_backward_gets_none_for_unused_logits(monkeypatch):
+    """Only the routing weights carry a gradient: the backward op is called with d_logits None (no zero
+    [T, E] tensor filled and read), and the gradients equal those with an explicit zero d_logits."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(11, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    d_weights = torch.randn(11, 3, generator=gen, dtype=torch.float64)
+    seen = []
+    real = moe_fuse.ops.router_backward
+
+    def spy(d_logits, *args):
+        seen.append(d_logits)
+        return real(d_logits, *args)
+
+    monkeypatch.setattr(torch.ops.moe_fuse, "router_backward", spy, raising=False)
+    logits, weights, _ = torch.ops.moe_fuse.router(x, w, 3, True, torch.float64)
+    got = torch.autograd.grad((weights * d_weights).sum(), (x, w))
+    assert len(seen) == 1 and seen[0] is None
+    logits, weights, _ = torch.ops.moe_fuse.router(x, w, 3, True, torch.float64)
+    want = torch.autograd.grad((weights * d_weights).sum() + (logits * 0).sum(), (x, w))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck(dtype):
     x, ids, weights, w_gate_up, w_down = (t.to(dtype) if t.is_floating_point() else t for t in random_case())
