@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Host time of each moe_fuse op and launcher, one call at a time (GPU idle before each call).
+"""Host time of each moe_fuse op and launcher.
 
     PYTHONPATH=. python3 bench/host_ops.py [--shape 30b] [--tokens 4096]
 
-Each line: host microseconds per call, from many calls issued back to back at a size small enough
-for the GPU to keep up (so the loop runs at the host's pace), and the GPU milliseconds per call
-(CUDA events). Where the host cost of a layer exceeds its GPU time, the host sets the pace.
+Each line: host microseconds per call issued back to back (valid only where the GPU keeps up: once
+the launch queue fills, the host waits for the GPU), host microseconds per call with the GPU idle
+before each call (synchronize, then time the call alone: the host cost whatever the GPU time), and
+the GPU milliseconds per call (CUDA events). Where the host cost of a layer exceeds its GPU time, the
+host sets the pace. "direct" cases call an op's Python implementation without the custom-op wrapper.
 """
 
 import argparse
@@ -51,15 +53,23 @@ def host_us(fn, reps=200):
         fn()
     host = (time.perf_counter() - t0) * 1e6 / reps
     sync()
+    idle = []
+    for _ in range(min(reps, 50)):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        idle.append(time.perf_counter() - t0)
+    idle = sorted(idle)[len(idle) // 2] * 1e6
+    sync()
     if not torch.cuda.is_available():  # CPU smoke run (TRITON_INTERPRET=1): host time only
-        return host, float("nan")
+        return host, idle, float("nan")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(10):
         fn()
     end.record()
     sync()
-    return host, start.elapsed_time(end) / 10
+    return host, idle, start.elapsed_time(end) / 10
 
 
 def main():
@@ -95,6 +105,12 @@ def main():
         "op experts (save_h)": lambda: ops.experts(x, ids, weights, wgu, wd, True),
         "op experts_backward": lambda: ops.experts_backward(dy, x, ids, weights, wgu, wd, h, xs, kept_routing, aw),
         "op router_backward": lambda: ops.router_backward(torch.zeros_like(logits), dwts, x, wr, logits, ids, True),
+        "op router_backward, d_logits None": lambda: ops.router_backward(None, dwts, x, wr, logits, ids, True),
+        "direct router_backward, d_logits None": lambda: moe_fuse.ops.router_backward(
+            None, dwts, x, wr, logits, ids, True),
+        "direct experts (save_h)": lambda: moe_fuse.ops.experts(x, ids, weights, wgu, wd, True),
+        "direct experts_backward": lambda: moe_fuse.ops.experts_backward(
+            dy, x, ids, weights, wgu, wd, h, xs, kept_routing, aw),
         "reference.router_backward": ref_router_bwd,
         "kernels.experts_forward (save_h)": lambda: kernels.experts_forward(x, ids, weights, wgu, wd, save_h=True),
         "kernels.experts_backward": lambda: kernels.experts_backward(dy, x, ids, weights, wgu, wd, h),
@@ -155,10 +171,10 @@ def main():
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
         print(text.getvalue())
-    print(f"{args.shape} T={T}: host us per call (back to back) | GPU ms")
+    print(f"{args.shape} T={T}: host us per call (back to back) | host us per call (GPU idle first) | GPU ms")
     for name, fn in cases.items():
-        us, ms = host_us(fn, args.reps)
-        print(f"  {name:<36} {us:9.1f} us | {ms:8.3f} ms")
+        us, idle, ms = host_us(fn, args.reps)
+        print(f"  {name:<38} {us:9.1f} us | {idle:9.1f} us | {ms:8.3f} ms")
 
 
 if __name__ == "__main__":
