@@ -30,7 +30,7 @@ def _op(fn):
     device; fn stays a plain function (its Python implementation, for direct calls).
 
     Not ``torch.library.custom_op``: that adds a wrapper per call (output aliasing checks, a frame with
-    Dynamo disabled) costing ~16-28 us of host time on the H200 machine, against ~5 for a plain kernel
+    Dynamo disabled) costing ~16-28 us of host time on the H200 machines, against ~5-11 for a plain kernel
     registration (``bench/probe_op_overhead.py``); a training step calls four of these ops, and the
     30B step at T=4096 is host-bound. Every output here is a fresh tensor (nothing aliases an input).
     Fake and autograd implementations are registered by name, as for a custom op.
