@@ -35,9 +35,12 @@ VARIANTS = ["hf_grouped_mm", "hf_inductor", "moe_fuse", "moe_fuse_triton", "lige
 # On request only (--variants): the two compiled paths under mode="reduce-overhead" (CUDA graphs).
 CUDAGRAPH_VARIANTS = ["hf_inductor_cudagraphs", "moe_fuse_cudagraphs"]
 # On request only, A/B of kernels/ragged_gemm.py: moe_fuse with its row-ragged GEMMs through torch._grouped_mm
-# at every size, or through ragged_gemm at every size (grouped_mm_path.RAGGED_MIN_ROWS = 0).
-AB_VARIANTS = ["moe_fuse_grouped_mm", "moe_fuse_ragged"]
-AB_SWITCHES = {"moe_fuse_grouped_mm": ("RAGGED_TRITON", False), "moe_fuse_ragged": ("RAGGED_MIN_ROWS", 0)}
+# at every size, or through ragged_gemm at every size (grouped_mm_path.RAGGED_MIN_ROWS = 0), or with the
+# Gluon GEMMs (grouped_mm_path.GLUON), or with the Gluon GEMMs that carry SwiGLU / dSwiGLU (GLUON_FUSED).
+AB_VARIANTS = ["moe_fuse_grouped_mm", "moe_fuse_ragged", "moe_fuse_gluon", "moe_fuse_gluon_fused"]
+AB_SWITCHES = {"moe_fuse_grouped_mm": ("RAGGED_TRITON", False), "moe_fuse_ragged": ("RAGGED_MIN_ROWS", 0),
+               "moe_fuse_gluon": ("GLUON", True),
+               "moe_fuse_gluon_fused": ("GLUON_FUSED", True)}
 PEER = "hf_inductor"
 TOL = 2e-2
 

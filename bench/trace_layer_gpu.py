@@ -102,6 +102,8 @@ def host_check(step, n=20):
 SWITCHED = {
     "moe_fuse_cutlass": ("moe_fuse.kernels.grouped_mm_path", "RAGGED_TRITON", False),  # row-ragged GEMMs in torch
     "moe_fuse_ragged": ("moe_fuse.kernels.grouped_mm_path", "RAGGED_MIN_ROWS", 0),  # ragged_gemm at every size
+    "moe_fuse_gluon": ("moe_fuse.kernels.grouped_mm_path", "GLUON", True),  # the plain Gluon GEMMs
+    "moe_fuse_gluon_fused": ("moe_fuse.kernels.grouped_mm_path", "GLUON_FUSED", True),  # SwiGLU / dSwiGLU fused
 }
 
 

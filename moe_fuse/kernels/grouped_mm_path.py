@@ -35,6 +35,7 @@ import torch
 import triton.language as tl
 
 from ._jit import cdiv, interpreting, lazy_jit
+from . import gluon_ragged
 from .backward import check_saved_h, dswiglu
 from .permute import combine_sorted, expand_rows
 from .ragged_gemm import ragged_gemm, tile_map
@@ -50,6 +51,12 @@ ENABLED = True
 # (bench/PERF_LOG.md, bench/KERNELS_NOTES.md).
 RAGGED_TRITON = True
 RAGGED_MIN_ROWS = 65536
+# Where ragged_gemm applies, GEMMs of the shapes ``gluon_ragged.suits`` names can run the warp-specialized
+# Gluon kernel instead (same bits). GLUON: the plain GEMMs; 3-7% faster alone on the 30B GEMMs but no faster
+# in the layer step, which is energy-bound (bench/KERNELS_NOTES.md), so off. GLUON_FUSED: gate_up with the
+# SwiGLU pass in its epilogue and dgrad with the dSwiGLU pass in its epilogue (less memory traffic).
+GLUON = False
+GLUON_FUSED = False
 _CAPABILITY: dict = {}
 
 
@@ -125,8 +132,16 @@ def _row_gemm(a, w, tiles, ends, *, w_kmajor):
 
     tiles: ``tile_map(routing.offsets, S)``, or None for ``torch._grouped_mm`` (``_tiles``)."""
     if tiles is not None:
+        N, K = (w.shape[1], w.shape[2]) if w_kmajor else (w.shape[2], w.shape[1])
+        if GLUON and gluon_ragged.suits(N, K) and a.is_contiguous():
+            return gluon_ragged.ragged_gemm(a, w, tiles, b_kmajor=w_kmajor)
         return ragged_gemm(a, w, tiles, b_kmajor=w_kmajor)
     return torch._grouped_mm(a, w.transpose(1, 2) if w_kmajor else w, offs=ends)
+
+
+def _fused(tiles, N: int, K: int) -> bool:
+    """Whether a GEMM of B[e] [K, N] runs the Gluon kernel with its pass in the epilogue."""
+    return GLUON_FUSED and tiles is not None and gluon_ragged.suits(N, K)
 
 
 def _tiles(routing: Routing, rows: int):
@@ -147,12 +162,16 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     ends = routing.offsets[1:]
     tiles = _tiles(routing, T * k)
     xs = expand_rows(x, routing.pos.view(T, k))  # = x[routing.token], reading x once
-    h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
-    if not (save_h and keep_rows):
-        del xs
+    rw = weights.reshape(-1).contiguous()
     # The routing weight scales the down GEMM's input rows, not its output: the combine then only
     # sums, and the scaled rows are dW_down's operand too.
-    aw = swiglu(h, routing, weights.reshape(-1).contiguous())
+    if _fused(tiles, w_gate_up.shape[1], w_gate_up.shape[2]):
+        h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # same bits as below
+    else:
+        h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
+        aw = swiglu(h, routing, rw)
+    if not (save_h and keep_rows):
+        del xs
     o = _row_gemm(aw, w_down, tiles, ends, w_kmajor=True)
     y = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
     if not save_h:
@@ -188,10 +207,15 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     if h is None:
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
     dys = expand_rows(dy, routing.pos.view(T, k))
-    g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
-    dh, aw_now, d_weights = dswiglu(g, h, weights.reshape(-1).contiguous(), routing, weights.dtype, write_aw=aw is None)
-    aw = aw_now if aw is None else aw
-    del g
+    rw = weights.reshape(-1).contiguous()
+    if aw is not None and _fused(tiles, I, H):
+        # d_h bitwise the unfused pass's; d_weights summed over 128-column partials (fixed order)
+        dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
+    else:
+        g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
+        dh, aw_now, d_weights = dswiglu(g, h, rw, routing, weights.dtype, write_aw=aw is None)
+        aw = aw_now if aw is None else aw
+        del g
     # One stream: each CUTLASS GEMM fills every SM, so a weight-gradient GEMM on a second stream only
     # starts when the one before it ends (bench/results/trace_layer_paced_2026-11-30.log); layer steps
     # measured the same with and without (bench/PERF_LOG.md).
@@ -204,4 +228,4 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     return dx, d_weights.view(T, k), d_wgu, d_wd
 
 
-__all__ = ["ENABLED", "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "experts_backward", "experts_forward", "swiglu"]
+__all__ = ["ENABLED", "GLUON", "GLUON_FUSED", "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "experts_backward", "experts_forward", "swiglu"]
