@@ -12,6 +12,10 @@ Per shape, with the router's top-k of random HF-initialised weights (bench/probe
 - dgrad + dSwiGLU in one kernel against ragged_gemm + the ``dswiglu`` pass: d_h bitwise equal,
   d_weights to fp32 summation order; each fused kernel run twice must give the same bits.
 
+--energy S: instead of do_bench, each variant back to back for S seconds with nvidia-smi sampling
+(bench/power.py): ms per call, median power, and energy per call (ms x W). The layer step runs at the
+700 W cap, where a step takes about its energy / 700 W, so this is the figure that decides there.
+
 Each shape runs in a subprocess killed after --timeout seconds (a hung kernel costs that, not the call).
 Outputs are poisoned (NaN) before every checked run. Times: triton.testing.do_bench medians, each
 variant in turn, three rounds.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -45,7 +50,7 @@ def compile_only():
         print(f"EPI={epi} b_kmajor={b_kmajor} BLOCK_N={block_n}: shared {kernel.metadata.shared} bytes; {spills}")
 
 
-def child(shape: str, T: int):
+def child(shape: str, T: int, energy: float = 0.0):
     import triton
     from triton.testing import do_bench
 
@@ -97,7 +102,27 @@ def child(shape: str, T: int):
         "dx": (dh_in, w_gu, False),
     }
     rows_bad = []
-    times = {}
+
+    def timed(fns):
+        if energy:  # ms per call at the power state the loop reaches; print watts and joules too
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from power import run_sustained
+
+            out = {}
+            for v, fn in fns.items():
+                ms, smp = run_sustained(fn, energy, batch=20)
+                st = smp.stats()
+                print(f"    {v:14s} {ms:.3f} ms/call, {st.get('watts', float('nan')):.0f} W, "
+                      f"{ms * st.get('watts', float('nan')):.0f} mJ/call, {st.get('sm_mhz', float('nan')):.0f} MHz, "
+                      f"capped {st.get('capped', float('nan')):.0%}", flush=True)
+                out[v] = ms
+            return out
+        # each variant in turn, three rounds: the median round of do_bench medians
+        times = {v: [] for v in fns}
+        for _ in range(3):
+            for v, fn in fns.items():
+                times[v].append(do_bench(fn, warmup=10, rep=100, return_mode="median"))
+        return {v: sorted(ts)[1] for v, ts in times.items()}
     for name, (a, b, kmajor) in gemms.items():
         want = poisoned(lambda: ragged_gemm(a, b, tiles, b_kmajor=kmajor))
         got = poisoned(lambda: G.ragged_gemm(a, b, tiles, b_kmajor=kmajor))
@@ -112,11 +137,7 @@ def child(shape: str, T: int):
             "triton": lambda: ragged_gemm(a, b, tiles, b_kmajor=kmajor),
             "cutlass": lambda: torch._grouped_mm(a, cutlass_b, offs=ends),
         }
-        times[name] = {v: [] for v in fns}
-        for _ in range(3):
-            for v, fn in fns.items():
-                times[name][v].append(do_bench(fn, warmup=10, rep=100, return_mode="median"))
-        t = {v: sorted(ts)[1] for v, ts in times[name].items()}
+        t = timed(fns)
         print(f"  {name:8s} bitwise={ok}  gluon {t['gluon']:.3f} ms | triton {t['triton']:.3f} | "
               f"cutlass {t['cutlass']:.3f}", flush=True)
 
@@ -136,11 +157,7 @@ def child(shape: str, T: int):
               f"(max diff {(aw_want.float() - aw_got.float()).abs().max().item():.3e})")
     fns = {"fused": lambda: G.gate_up_swiglu(xs, w_gu, tiles, rw, routing.order), "unfused": unfused_fwd,
            "cutlass+pass": lambda: swiglu(torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=ends), routing, rw)}
-    tt = {v: [] for v in fns}
-    for _ in range(3):
-        for v, fn in fns.items():
-            tt[v].append(do_bench(fn, warmup=10, rep=100, return_mode="median"))
-    t = {v: sorted(ts)[1] for v, ts in tt.items()}
+    t = timed(fns)
     print(f"  gate_up+swiglu bitwise={ok} repeatable={rep}  fused {t['fused']:.3f} ms | triton GEMM + pass "
           f"{t['unfused']:.3f} | cutlass + pass {t['cutlass+pass']:.3f}", flush=True)
 
@@ -164,11 +181,7 @@ def child(shape: str, T: int):
     fns = {"fused": lambda: G.dgrad_dswiglu(dys, w_d, h, tiles, rw, routing.order, bf), "unfused": unfused_bwd,
            "cutlass+pass": lambda: dswiglu(torch._grouped_mm(dys, w_d, offs=ends), h, rw, routing, bf,
                                            write_aw=False)}
-    tt = {v: [] for v in fns}
-    for _ in range(3):
-        for v, fn in fns.items():
-            tt[v].append(do_bench(fn, warmup=10, rep=100, return_mode="median"))
-    t = {v: sorted(ts)[1] for v, ts in tt.items()}
+    t = timed(fns)
     print(f"  dgrad+dswiglu d_h bitwise={ok_dh} d_weights rel err {dw_err:.1e} repeatable={rep}  fused "
           f"{t['fused']:.3f} ms | triton GEMM + pass {t['unfused']:.3f} | cutlass + pass {t['cutlass+pass']:.3f}",
           flush=True)
@@ -181,18 +194,20 @@ def main():
     ap.add_argument("--tokens", default="16384")
     ap.add_argument("--timeout", type=int, default=180)
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--energy", type=float, default=0.0, help="seconds per variant back to back, with power samples")
     ap.add_argument("--child", default="")
     args = ap.parse_args()
     if args.compile_only:
         return compile_only()
     if args.child:
         shape, T = args.child.split(":")
-        return child(shape, int(T))
+        return child(shape, int(T), args.energy)
     print(torch.cuda.get_device_name(), flush=True)
     for shape in args.shapes.split(","):
         for T in args.tokens.split(","):
             try:
-                subprocess.run([sys.executable, __file__, "--child", f"{shape}:{T}"], timeout=args.timeout, check=False)
+                subprocess.run([sys.executable, __file__, "--child", f"{shape}:{T}", "--energy", str(args.energy)],
+                               timeout=args.timeout, check=False)
             except subprocess.TimeoutExpired:
                 print(f"{shape} T={T}: killed after {args.timeout} s (hung?)", flush=True)
 
