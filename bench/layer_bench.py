@@ -36,11 +36,13 @@ VARIANTS = ["hf_grouped_mm", "hf_inductor", "moe_fuse", "moe_fuse_triton", "lige
 CUDAGRAPH_VARIANTS = ["hf_inductor_cudagraphs", "moe_fuse_cudagraphs"]
 # On request only, A/B of kernels/ragged_gemm.py: moe_fuse with its row-ragged GEMMs through torch._grouped_mm
 # at every size, or through ragged_gemm at every size (grouped_mm_path.RAGGED_MIN_ROWS = 0), or with the
-# Gluon GEMMs (grouped_mm_path.GLUON), or with the Gluon GEMMs that carry SwiGLU / dSwiGLU (GLUON_FUSED).
-AB_VARIANTS = ["moe_fuse_grouped_mm", "moe_fuse_ragged", "moe_fuse_gluon", "moe_fuse_gluon_fused"]
-AB_SWITCHES = {"moe_fuse_grouped_mm": ("RAGGED_TRITON", False), "moe_fuse_ragged": ("RAGGED_MIN_ROWS", 0),
-               "moe_fuse_gluon": ("GLUON", True),
-               "moe_fuse_gluon_fused": ("GLUON_FUSED", True)}
+# Gluon GEMMs (grouped_mm_path.GLUON), or with the Gluon GEMMs that carry SwiGLU / dSwiGLU (GLUON_SWIGLU,
+# GLUON_DSWIGLU), or with SwiGLU fused and the other Gluon GEMMs where they suit (moe_fuse_gluon_fwd).
+AB_VARIANTS = ["moe_fuse_grouped_mm", "moe_fuse_ragged", "moe_fuse_gluon", "moe_fuse_gluon_fused", "moe_fuse_gluon_fwd"]
+AB_SWITCHES = {"moe_fuse_grouped_mm": (("RAGGED_TRITON", False),), "moe_fuse_ragged": (("RAGGED_MIN_ROWS", 0),),
+               "moe_fuse_gluon": (("GLUON", True),),
+               "moe_fuse_gluon_fused": (("GLUON_SWIGLU", True), ("GLUON_DSWIGLU", True)),
+               "moe_fuse_gluon_fwd": (("GLUON", True), ("GLUON_SWIGLU", True))}
 PEER = "hf_inductor"
 TOL = 2e-2
 
@@ -314,13 +316,14 @@ def run_case(shape, T, dev, dtype, args, rows):
             elif name in AB_SWITCHES:
                 from moe_fuse.kernels import grouped_mm_path
 
-                attr, value = AB_SWITCHES[name]
-                before = getattr(grouped_mm_path, attr)
-                setattr(grouped_mm_path, attr, value)  # read at every call of the experts op
+                before = [(attr, getattr(grouped_mm_path, attr)) for attr, _ in AB_SWITCHES[name]]
+                for attr, value in AB_SWITCHES[name]:
+                    setattr(grouped_mm_path, attr, value)  # read at every call of the experts op
                 try:
                     run_block_variant(name, block, T, dev, dtype, args, rf, rb)
                 finally:
-                    setattr(grouped_mm_path, attr, before)
+                    for attr, value in before:
+                        setattr(grouped_mm_path, attr, value)
             elif name == "moe_fuse_triton":
                 from moe_fuse.kernels import grouped_mm_path
 

@@ -7,6 +7,10 @@
 
 Read-only queries (clock, power, enforced power limit, active clock-event reasons; bit 0x4 is the
 software power cap). Where nvidia-smi is missing, stats() is empty and summary() says so.
+
+``energy_mj()`` reads the board's total-energy counter through NVML (millijoules since the driver
+loaded). ``run_sustained`` uses it for joules per call over the steady part of a loop: at the power cap
+a step takes about its energy / the cap, and the counter resolves a few mJ where ms x median W does not.
 """
 from __future__ import annotations
 
@@ -18,12 +22,38 @@ QUERY = "clocks.sm,power.draw,enforced.power.limit,clocks_event_reasons.active"
 SW_POWER_CAP = 0x4
 
 
+_NVML = []
+
+
+def energy_mj(index: int = 0):
+    """The GPU's total energy counter in mJ (nvmlDeviceGetTotalEnergyConsumption), or None without NVML."""
+    import ctypes
+
+    if not _NVML:
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            handle = ctypes.c_void_p()
+            if lib.nvmlInit_v2() or lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)):
+                raise OSError("NVML init failed")
+            _NVML.append((lib, handle))
+        except OSError:
+            _NVML.append(None)
+    if _NVML[0] is None:
+        return None
+    lib, handle = _NVML[0]
+    value = ctypes.c_ulonglong()
+    if lib.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(value)):
+        return None
+    return float(value.value)
+
+
 class PowerSampler:
     def __init__(self, period_ms: int = 100, skip_s: float = 0.5):
         self.period_ms = period_ms
         self.skip = int(skip_s * 1000 / period_ms)  # the first samples: the card still ramping
         self.rows: list[str] = []
         self.proc = None
+        self.mj_per_call = None  # set by run_sustained where NVML answers
 
     def __enter__(self):
         try:
@@ -60,15 +90,18 @@ class PowerSampler:
         s = self.stats()
         if not s:
             return "no nvidia-smi samples"
+        energy = "" if self.mj_per_call is None else f"; {self.mj_per_call:.1f} mJ/call (NVML energy counter)"
         return (f"{s['n']} samples: SM clock median {s['sm_mhz']:.0f} MHz (min {s['sm_mhz_min']:.0f}), power median "
-                f"{s['watts']:.0f} W of a {s['limit_w']:.0f} W limit, software power cap active in {s['capped']:.0%}")
+                f"{s['watts']:.0f} W of a {s['limit_w']:.0f} W limit, software power cap active in {s['capped']:.0%}"
+                f"{energy}")
 
 
 def run_sustained(fn, seconds: float, *, idle_first: bool = True, batch: int = 10):
     """Call fn back to back for ``seconds`` (a synchronize every ``batch`` calls) while sampling.
 
     Returns (ms per call, the PowerSampler). idle_first: a second's pause before, so that every loop starts
-    from an idle card; the sampler skips its first second (the card ramping to its limit).
+    from an idle card; the sampler skips its first second (the card ramping to its limit), and so does the
+    energy per call (``smp.mj_per_call``, from the first synchronize after one second to the end).
     """
     import time
 
@@ -80,10 +113,16 @@ def run_sustained(fn, seconds: float, *, idle_first: bool = True, batch: int = 1
         time.sleep(1.0)
     with PowerSampler(skip_s=1.0) as smp:
         n, t0 = 0, time.perf_counter()
+        mark = None  # (calls, energy) at the first synchronize past one second
         while time.perf_counter() - t0 < seconds:
             for _ in range(batch):
                 fn()
             n += batch
             torch.cuda.synchronize()
+            if mark is None and time.perf_counter() - t0 >= min(1.0, seconds / 2):
+                mark = (n, energy_mj())
         ms = (time.perf_counter() - t0) * 1e3 / n
+        end = energy_mj()
+        if mark is not None and mark[1] is not None and end is not None and n > mark[0]:
+            smp.mj_per_call = (end - mark[1]) / (n - mark[0])
     return ms, smp

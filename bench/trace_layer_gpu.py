@@ -98,12 +98,15 @@ def host_check(step, n=20):
     return (t1 - t0) * 1e3 / n, start.elapsed_time(end) / n, syncs
 
 
-# moe_fuse with one kernel switch flipped (module, attribute, value), read at every call of the experts op
+# moe_fuse with kernel switches of grouped_mm_path flipped ((attribute, value), ...), read at every call of
+# the experts op
 SWITCHED = {
-    "moe_fuse_cutlass": ("moe_fuse.kernels.grouped_mm_path", "RAGGED_TRITON", False),  # row-ragged GEMMs in torch
-    "moe_fuse_ragged": ("moe_fuse.kernels.grouped_mm_path", "RAGGED_MIN_ROWS", 0),  # ragged_gemm at every size
-    "moe_fuse_gluon": ("moe_fuse.kernels.grouped_mm_path", "GLUON", True),  # the plain Gluon GEMMs
-    "moe_fuse_gluon_fused": ("moe_fuse.kernels.grouped_mm_path", "GLUON_FUSED", True),  # SwiGLU / dSwiGLU fused
+    "moe_fuse_cutlass": (("RAGGED_TRITON", False),),  # row-ragged GEMMs in torch
+    "moe_fuse_ragged": (("RAGGED_MIN_ROWS", 0),),  # ragged_gemm at every size
+    "moe_fuse_gluon": (("GLUON", True),),  # the plain Gluon GEMMs
+    "moe_fuse_gluon_fused": (("GLUON_SWIGLU", True), ("GLUON_DSWIGLU", True)),  # SwiGLU / dSwiGLU fused
+    # gate_up with SwiGLU fused, dgrad and dx plain Gluon; down (ragged_gemm) and the dSwiGLU pass as default
+    "moe_fuse_gluon_fwd": (("GLUON", True), ("GLUON_SWIGLU", True)),
 }
 
 
@@ -114,17 +117,18 @@ def backend_step(name, block, x, dy, params, compiled):
         return layer_step(torch.compile(block, backend=name), x, dy, params)
     import importlib
 
-    module, attr, value = SWITCHED[name]
-    module = importlib.import_module(module)
+    module = importlib.import_module("moe_fuse.kernels.grouped_mm_path")
     inner = layer_step(torch.compile(block, backend="moe_fuse"), x, dy, params)
 
     def step():
-        before = getattr(module, attr)
-        setattr(module, attr, value)
+        before = [(attr, getattr(module, attr)) for attr, _ in SWITCHED[name]]
+        for attr, value in SWITCHED[name]:
+            setattr(module, attr, value)
         try:
             inner()
         finally:
-            setattr(module, attr, before)
+            for attr, value in before:
+                setattr(module, attr, value)
 
     if "moe_fuse" in compiled:
         got = []

@@ -21,7 +21,8 @@ Epilogues (``EPI``):
 Measured on the H200 (bench/check_gluon_ragged_gpu.py, bench/KERNELS_NOTES.md): bitwise equal to the
 Triton kernels; alone, 3-7% faster than ``ragged_gemm`` on three of the four 30B GEMMs, and the fused
 gate_up 0.09 ms under GEMM + pass; but the 30B layer step, energy-bound at the 700 W cap, ran no faster
-with either. So ``grouped_mm_path`` leaves them off (``GLUON``, ``GLUON_FUSED``: A/B switches).
+with either. So ``grouped_mm_path`` leaves them off (``GLUON``, ``GLUON_SWIGLU``, ``GLUON_DSWIGLU``: A/B
+switches).
 
 Gluon has no interpreter, so CI only compiles these kernels for sm90 (tests/test_gluon_ragged.py); the
 Triton kernels they stand in for (``ragged_gemm``, ``swiglu``, ``dswiglu``) are their tested CPU twin.

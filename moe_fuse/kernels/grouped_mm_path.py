@@ -53,10 +53,12 @@ RAGGED_TRITON = True
 RAGGED_MIN_ROWS = 65536
 # Where ragged_gemm applies, GEMMs of the shapes ``gluon_ragged.suits`` names can run the warp-specialized
 # Gluon kernel instead (same bits). GLUON: the plain GEMMs; 3-7% faster alone on the 30B GEMMs but no faster
-# in the layer step, which is energy-bound (bench/KERNELS_NOTES.md), so off. GLUON_FUSED: gate_up with the
-# SwiGLU pass in its epilogue and dgrad with the dSwiGLU pass in its epilogue (less memory traffic).
+# in the layer step, which is energy-bound (bench/KERNELS_NOTES.md), so off. GLUON_SWIGLU: gate_up with the
+# SwiGLU pass in its epilogue (same bits, h not read back); GLUON_DSWIGLU: dgrad with the dSwiGLU pass in its
+# epilogue (d_weights summed in another order).
 GLUON = False
-GLUON_FUSED = False
+GLUON_SWIGLU = False
+GLUON_DSWIGLU = False
 _CAPABILITY: dict = {}
 
 
@@ -139,9 +141,9 @@ def _row_gemm(a, w, tiles, ends, *, w_kmajor):
     return torch._grouped_mm(a, w.transpose(1, 2) if w_kmajor else w, offs=ends)
 
 
-def _fused(tiles, N: int, K: int) -> bool:
+def _fused(switch: bool, tiles, N: int, K: int) -> bool:
     """Whether a GEMM of B[e] [K, N] runs the Gluon kernel with its pass in the epilogue."""
-    return GLUON_FUSED and tiles is not None and gluon_ragged.suits(N, K)
+    return switch and tiles is not None and gluon_ragged.suits(N, K)
 
 
 def _tiles(routing: Routing, rows: int):
@@ -165,7 +167,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     rw = weights.reshape(-1).contiguous()
     # The routing weight scales the down GEMM's input rows, not its output: the combine then only
     # sums, and the scaled rows are dW_down's operand too.
-    if _fused(tiles, w_gate_up.shape[1], w_gate_up.shape[2]):
+    if _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2]):
         h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # same bits as below
     else:
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
@@ -208,7 +210,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
     dys = expand_rows(dy, routing.pos.view(T, k))
     rw = weights.reshape(-1).contiguous()
-    if aw is not None and _fused(tiles, I, H):
+    if aw is not None and _fused(GLUON_DSWIGLU, tiles, I, H):
         # d_h bitwise the unfused pass's; d_weights summed over 128-column partials (fixed order)
         dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
     else:
@@ -228,4 +230,4 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     return dx, d_weights.view(T, k), d_wgu, d_wd
 
 
-__all__ = ["ENABLED", "GLUON", "GLUON_FUSED", "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "experts_backward", "experts_forward", "swiglu"]
+__all__ = ["ENABLED", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU", "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "experts_backward", "experts_forward", "swiglu"]
