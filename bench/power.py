@@ -9,8 +9,8 @@ Read-only queries (clock, power, enforced power limit, active clock-event reason
 software power cap). Where nvidia-smi is missing, stats() is empty and summary() says so.
 
 ``energy_mj()`` reads the board's total-energy counter through NVML (millijoules since the driver
-loaded). ``run_sustained`` uses it for joules per call over the steady part of a loop: at the power cap
-a step takes about its energy / the cap, and the counter resolves a few mJ where ms x median W does not.
+loaded). ``run_sustained`` turns it into the loop's mean power over its steady part, and that into mJ per
+call: at the power cap a step takes about its energy / the cap.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def run_sustained(fn, seconds: float, *, idle_first: bool = True, batch: int = 1
 
     Returns (ms per call, the PowerSampler). idle_first: a second's pause before, so that every loop starts
     from an idle card; the sampler skips its first second (the card ramping to its limit), and so does the
-    energy per call (``smp.mj_per_call``, from the first synchronize after one second to the end).
+    energy per call (``smp.mj_per_call``: the NVML counter's mean power from then on, times ms per call).
     """
     import time
 
@@ -113,16 +113,22 @@ def run_sustained(fn, seconds: float, *, idle_first: bool = True, batch: int = 1
         time.sleep(1.0)
     with PowerSampler(skip_s=1.0) as smp:
         n, t0 = 0, time.perf_counter()
-        mark = None  # (calls, energy) at the first synchronize past one second
+        # The energy counter advances in steps (tens of ms apart), so a reading at an arbitrary moment is
+        # off by up to one step: time the counter's steps instead, after every call (the card is busy
+        # throughout, so their rate is the loop's power), and take mJ per call = power x ms per call.
+        edges, last = [], energy_mj()
         while time.perf_counter() - t0 < seconds:
             for _ in range(batch):
                 fn()
+                now = energy_mj()
+                if now is not None and now != last:
+                    edges.append((time.perf_counter(), now))
+                    last = now
             n += batch
             torch.cuda.synchronize()
-            if mark is None and time.perf_counter() - t0 >= min(1.0, seconds / 2):
-                mark = (n, energy_mj())
         ms = (time.perf_counter() - t0) * 1e3 / n
-        end = energy_mj()
-        if mark is not None and mark[1] is not None and end is not None and n > mark[0]:
-            smp.mj_per_call = (end - mark[1]) / (n - mark[0])
+        edges = [e for e in edges if e[0] - t0 >= min(1.0, seconds / 2)]  # past the ramp
+        if len(edges) >= 2 and edges[-1][0] > edges[0][0]:
+            watts = (edges[-1][1] - edges[0][1]) / (edges[-1][0] - edges[0][0]) / 1e3
+            smp.mj_per_call = watts * ms
     return ms, smp
