@@ -12,9 +12,6 @@ Per shape, with the router's top-k of random HF-initialised weights (bench/probe
 - dgrad + dSwiGLU in one kernel against ragged_gemm + the ``dswiglu`` pass: d_h bitwise equal,
   d_weights to fp32 summation order; each fused kernel run twice must give the same bits.
 
---gather: only ``ragged_gemm`` gathering its A rows in its loads (``a_rows``) against TMA loads of the
-expert-sorted copy, with and without the ``expand_rows`` pass that makes it (gate_up from x, dgrad from dy).
-
 --energy S: instead of do_bench, each variant back to back for S seconds with nvidia-smi sampling
 (bench/power.py): ms per call, median power, and energy per call (ms x W). The layer step runs at the
 700 W cap, where a step takes about its energy / 700 W, so this is the figure that decides there.
@@ -53,7 +50,7 @@ def compile_only():
         print(f"EPI={epi} b_kmajor={b_kmajor} BLOCK_N={block_n}: shared {kernel.metadata.shared} bytes; {spills}")
 
 
-def child(shape: str, T: int, energy: float = 0.0, gather: bool = False):
+def child(shape: str, T: int, energy: float = 0.0):
     import triton
     from triton.testing import do_bench
 
@@ -115,9 +112,8 @@ def child(shape: str, T: int, energy: float = 0.0, gather: bool = False):
             for v, fn in fns.items():
                 ms, smp = run_sustained(fn, energy, batch=20)
                 st = smp.stats()
-                nvml = "" if smp.mj_per_call is None else f" (NVML {smp.mj_per_call:.0f})"
                 print(f"    {v:14s} {ms:.3f} ms/call, {st.get('watts', float('nan')):.0f} W, "
-                      f"{ms * st.get('watts', float('nan')):.0f} mJ/call{nvml}, {st.get('sm_mhz', float('nan')):.0f} MHz, "
+                      f"{ms * st.get('watts', float('nan')):.0f} mJ/call, {st.get('sm_mhz', float('nan')):.0f} MHz, "
                       f"capped {st.get('capped', float('nan')):.0%}", flush=True)
                 out[v] = ms
             return out
@@ -127,8 +123,6 @@ def child(shape: str, T: int, energy: float = 0.0, gather: bool = False):
             for v, fn in fns.items():
                 times[v].append(do_bench(fn, warmup=10, rep=100, return_mode="median"))
         return {v: sorted(ts)[1] for v, ts in times.items()}
-    if gather:
-        return gather_rows(locals())
     for name, (a, b, kmajor) in gemms.items():
         want = poisoned(lambda: ragged_gemm(a, b, tiles, b_kmajor=kmajor))
         got = poisoned(lambda: G.ragged_gemm(a, b, tiles, b_kmajor=kmajor))
@@ -194,30 +188,6 @@ def child(shape: str, T: int, energy: float = 0.0, gather: bool = False):
     print(f"  triton {triton.__version__}, torch {torch.__version__}; mismatched GEMMs: {rows_bad or 'none'}")
 
 
-def gather_rows(v):
-    """--gather: the A rows gathered inside ragged_gemm's loads (pointer loads, ``a_rows``) against TMA loads
-    of the expert-sorted copy, with and without the expand_rows pass that makes the copy."""
-    from moe_fuse.kernels.permute import expand_rows
-    from moe_fuse.kernels.ragged_gemm import ragged_gemm
-
-    x, routing, tiles, w_gu, w_d, T, k, timed, poisoned = (v[n] for n in (
-        "x", "routing", "tiles", "w_gu", "w_d", "T", "k", "timed", "poisoned"))
-    dy = torch.randn_like(x)
-    pos = routing.pos.view(T, k)
-    for name, src, b, kmajor in (("gate_up", x, w_gu, True), ("dgrad", dy, w_d, False)):
-        rows = expand_rows(src, pos)
-        want = poisoned(lambda: ragged_gemm(rows, b, tiles, b_kmajor=kmajor))
-        got = poisoned(lambda: ragged_gemm(src, b, tiles, b_kmajor=kmajor, a_rows=routing.token))
-        ok = torch.equal(want, got)
-        t = timed({
-            "tma": lambda: ragged_gemm(rows, b, tiles, b_kmajor=kmajor),
-            "expand+tma": lambda: ragged_gemm(expand_rows(src, pos), b, tiles, b_kmajor=kmajor),
-            "gather": lambda: ragged_gemm(src, b, tiles, b_kmajor=kmajor, a_rows=routing.token),
-        })
-        print(f"  {name:8s} gather bitwise={ok}  gather {t['gather']:.3f} ms | tma {t['tma']:.3f} | "
-              f"expand + tma {t['expand+tma']:.3f}", flush=True)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="30b")
@@ -225,20 +195,19 @@ def main():
     ap.add_argument("--timeout", type=int, default=180)
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--energy", type=float, default=0.0, help="seconds per variant back to back, with power samples")
-    ap.add_argument("--gather", action="store_true", help="only: ragged_gemm gathering its A rows vs TMA")
     ap.add_argument("--child", default="")
     args = ap.parse_args()
     if args.compile_only:
         return compile_only()
     if args.child:
         shape, T = args.child.split(":")
-        return child(shape, int(T), args.energy, args.gather)
+        return child(shape, int(T), args.energy)
     print(torch.cuda.get_device_name(), flush=True)
     for shape in args.shapes.split(","):
         for T in args.tokens.split(","):
             try:
-                subprocess.run([sys.executable, __file__, "--child", f"{shape}:{T}", "--energy", str(args.energy),
-                                *(["--gather"] if args.gather else [])], timeout=args.timeout, check=False)
+                subprocess.run([sys.executable, __file__, "--child", f"{shape}:{T}", "--energy", str(args.energy)],
+                               timeout=args.timeout, check=False)
             except subprocess.TimeoutExpired:
                 print(f"{shape} T={T}: killed after {args.timeout} s (hung?)", flush=True)
 

@@ -37,15 +37,12 @@ CUDAGRAPH_VARIANTS = ["hf_inductor_cudagraphs", "moe_fuse_cudagraphs"]
 # On request only, A/B of kernels/ragged_gemm.py: moe_fuse with its row-ragged GEMMs through torch._grouped_mm
 # at every size, or through ragged_gemm at every size (grouped_mm_path.RAGGED_MIN_ROWS = 0), or with the
 # Gluon GEMMs (grouped_mm_path.GLUON), or with the Gluon GEMMs that carry SwiGLU / dSwiGLU (GLUON_SWIGLU,
-# GLUON_DSWIGLU), or with SwiGLU fused and the other Gluon GEMMs where they suit (moe_fuse_gluon_fwd), or with
-# gate_up and dgrad gathering their rows (GATHER_ROWS).
-AB_VARIANTS = ["moe_fuse_grouped_mm", "moe_fuse_ragged", "moe_fuse_gluon", "moe_fuse_gluon_fused", "moe_fuse_gluon_fwd",
-               "moe_fuse_gather"]
+# GLUON_DSWIGLU), or with SwiGLU fused and the other Gluon GEMMs where they suit (moe_fuse_gluon_fwd).
+AB_VARIANTS = ["moe_fuse_grouped_mm", "moe_fuse_ragged", "moe_fuse_gluon", "moe_fuse_gluon_fused", "moe_fuse_gluon_fwd"]
 AB_SWITCHES = {"moe_fuse_grouped_mm": (("RAGGED_TRITON", False),), "moe_fuse_ragged": (("RAGGED_MIN_ROWS", 0),),
                "moe_fuse_gluon": (("GLUON", True),),
                "moe_fuse_gluon_fused": (("GLUON_SWIGLU", True), ("GLUON_DSWIGLU", True)),
-               "moe_fuse_gluon_fwd": (("GLUON", True), ("GLUON_SWIGLU", True)),
-               "moe_fuse_gather": (("GATHER_ROWS", True),)}
+               "moe_fuse_gluon_fwd": (("GLUON", True), ("GLUON_SWIGLU", True))}
 PEER = "hf_inductor"
 TOL = 2e-2
 

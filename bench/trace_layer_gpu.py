@@ -107,7 +107,6 @@ SWITCHED = {
     "moe_fuse_gluon_fused": (("GLUON_SWIGLU", True), ("GLUON_DSWIGLU", True)),  # SwiGLU / dSwiGLU fused
     # gate_up with SwiGLU fused, dgrad and dx plain Gluon; down (ragged_gemm) and the dSwiGLU pass as default
     "moe_fuse_gluon_fwd": (("GLUON", True), ("GLUON_SWIGLU", True)),
-    "moe_fuse_gather": (("GATHER_ROWS", True),),  # gate_up and dgrad gather their rows in their loads
 }
 
 

@@ -5,7 +5,7 @@ On CPU, torch._grouped_mm is torch's fallback and the Triton kernels (ragged GEM
 combines) run in the interpreter; on the GPU the same functions run CUTLASS. ``applies`` is False on
 CPU, so the path's functions are called directly (the dispatch test pretends it is True). Rows
 outside every group (expert-parallel sentinels) come back from either GEMM as NaN here: nothing may
-read them. Every test runs with RAGGED_TRITON on and off, and with GATHER_ROWS.
+read them. Every test runs with RAGGED_TRITON on and off.
 """
 
 import os
@@ -37,12 +37,10 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True, params=["ragged_triton", "grouped_mm", "gather_rows"])
+@pytest.fixture(autouse=True, params=[True, False], ids=["ragged_triton", "grouped_mm"])
 def nan_outside_groups(monkeypatch, request):
-    """Every GEMM route (gather_rows: ragged_gemm with gate_up and dgrad gathering their rows) with the rows
-    (or, for weight gradients, nothing) outside every group set to NaN."""
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_TRITON", request.param != "grouped_mm")
-    monkeypatch.setattr(grouped_mm_path, "GATHER_ROWS", request.param == "gather_rows")
+    """Both GEMM routes with the rows (or, for weight gradients, nothing) outside every group set to NaN."""
+    monkeypatch.setattr(grouped_mm_path, "RAGGED_TRITON", request.param)
     monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)  # the test cases have a few hundred rows
     real = torch._grouped_mm
 
@@ -54,11 +52,10 @@ def nan_outside_groups(monkeypatch, request):
 
     real_ragged = grouped_mm_path.ragged_gemm
 
-    def poisoned_ragged(a, b, tiles, *, b_kmajor, a_rows=None):
+    def poisoned_ragged(a, b, tiles, *, b_kmajor):
         n = b.shape[1] if b_kmajor else b.shape[2]
-        rows = a.shape[0] if a_rows is None else a_rows.numel()
-        out = torch.full((rows, n), float("nan"), dtype=a.dtype, device=a.device)
-        return real_ragged(a, b, tiles, b_kmajor=b_kmajor, out=out, a_rows=a_rows)  # every routed row, no other
+        out = torch.full((a.shape[0], n), float("nan"), dtype=a.dtype, device=a.device)
+        return real_ragged(a, b, tiles, b_kmajor=b_kmajor, out=out)  # writes every routed row, no other
 
     monkeypatch.setattr(torch, "_grouped_mm", poisoned)
     monkeypatch.setattr(grouped_mm_path, "ragged_gemm", poisoned_ragged)
@@ -179,28 +176,3 @@ def test_ragged_gemm_from_min_rows_up(monkeypatch):
         _, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
         grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
         assert len(calls) == want, (min_rows, len(calls))
-
-
-def test_gather_rows_gives_the_same_bits(monkeypatch):
-    """GATHER_ROWS: gate_up reads x and dgrad reads dy through a_rows, bitwise as from the sorted copies;
-    the forward without a backward then makes no copy of x at all."""
-    args = make_case(40, 4, 5, 32, 16, torch.bfloat16, seed=7)
-    dy = torch.randn(40, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_TRITON", True)
-    results = {}
-    for gather in (False, True):
-        monkeypatch.setattr(grouped_mm_path, "GATHER_ROWS", gather)
-        kept = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
-        y, h, routing, xs, aw = kept
-        results[gather] = (y, h, xs, aw, *grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw))
-    for want, got in zip(results[False], results[True]):
-        assert torch.equal(want, got)
-
-    gathered, expanded = [], []
-    real, real_expand = grouped_mm_path.ragged_gemm, grouped_mm_path.expand_rows
-    monkeypatch.setattr(grouped_mm_path, "ragged_gemm",
-                        lambda *a, **kw: gathered.append(kw.get("a_rows") is not None) or real(*a, **kw))
-    monkeypatch.setattr(grouped_mm_path, "expand_rows", lambda *a: expanded.append(1) or real_expand(*a))
-    y = grouped_mm_path.experts_forward(*args)
-    assert torch.equal(y, results[False][0])
-    assert gathered == [True, False] and expanded == []  # gate_up gathered, down on aw; no copy of x

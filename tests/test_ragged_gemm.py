@@ -72,30 +72,6 @@ def test_ragged_gemm_matches_float64(b_kmajor, dtype, K, N):
     assert ((got - want).abs().max() / want.abs().max()).item() < tol
 
 
-@pytest.mark.parametrize("b_kmajor", [True, False], ids=["kmajor", "kn"])
-def test_ragged_gemm_gathers_rows_bitwise(b_kmajor):
-    """a_rows: row p reads a[a_rows[p]]; bitwise the product of the gathered copy, sentinel rows unwritten."""
-    gen = torch.Generator().manual_seed(2)
-    bm = block_m()
-    counts = [bm + 1, 0, 3, 2 * bm]
-    E, K, N = len(counts), 64, 48
-    offsets = offsets_of(counts)
-    routed = int(offsets[-1])
-    R = routed + 2
-    T = 11  # source rows, each read by several rows p
-    a = torch.randn(T, K, generator=gen).to(DEVICE)
-    a_rows = torch.randint(0, T, (R,), generator=gen, dtype=torch.int32).to(DEVICE)
-    b = torch.randn(E, *((N, K) if b_kmajor else (K, N)), generator=gen).to(DEVICE)
-    tiles = tile_map(offsets, R)
-    out = torch.full((R, N), float("nan"), device=DEVICE)
-    got = ragged_gemm(a, b, tiles, b_kmajor=b_kmajor, a_rows=a_rows, out=out)
-    want = ragged_gemm(a[a_rows.long()], b, tiles, b_kmajor=b_kmajor)
-    assert torch.equal(got[:routed], want[:routed])
-    assert bool(torch.isnan(got[routed:]).all())
-    with pytest.raises(ValueError, match="a_rows must be int32"):
-        ragged_gemm(a, b, tiles, b_kmajor=b_kmajor, a_rows=a_rows.long())
-
-
 def test_ragged_gemm_takes_strided_weights():
     """A transposed view of the weights (no copy made) gives the same product as the contiguous tensor."""
     bm = block_m()

@@ -59,9 +59,6 @@ RAGGED_MIN_ROWS = 65536
 GLUON = False
 GLUON_SWIGLU = False
 GLUON_DSWIGLU = False
-# Where ragged_gemm applies, gate_up and dgrad gather their A rows from x / dy inside their loads (``a_rows``)
-# instead of reading the expert-sorted copies; the copies are still made where the weight gradients need them.
-GATHER_ROWS = False
 _CAPABILITY: dict = {}
 
 
@@ -166,19 +163,14 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     routing = route(ids, E)
     ends = routing.offsets[1:]
     tiles = _tiles(routing, T * k)
-    fused = _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2])
-    gather = GATHER_ROWS and tiles is not None and not fused and x.stride(1) == 1
-    xs = None if gather and not (save_h and keep_rows) else expand_rows(x, routing.pos.view(T, k))  # x[token]
+    xs = expand_rows(x, routing.pos.view(T, k))  # = x[routing.token], reading x once
     rw = weights.reshape(-1).contiguous()
     # The routing weight scales the down GEMM's input rows, not its output: the combine then only
     # sums, and the scaled rows are dW_down's operand too.
-    if fused:
+    if _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2]):
         h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # same bits as below
     else:
-        if gather:  # same bits as from xs
-            h = ragged_gemm(x, w_gate_up, tiles, b_kmajor=True, a_rows=routing.token)
-        else:
-            h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
+        h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
         aw = swiglu(h, routing, rw)
     if not (save_h and keep_rows):
         del xs
@@ -222,10 +214,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
         # d_h bitwise the unfused pass's; d_weights summed over 128-column partials (fixed order)
         dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
     else:
-        if GATHER_ROWS and tiles is not None:  # same bits as from dys
-            g = ragged_gemm(dy, w_down, tiles, b_kmajor=False, a_rows=routing.token)
-        else:
-            g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
+        g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
         dh, aw_now, d_weights = dswiglu(g, h, rw, routing, weights.dtype, write_aw=aw is None)
         aw = aw_now if aw is None else aw
         del g
@@ -241,4 +230,4 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     return dx, d_weights.view(T, k), d_wgu, d_wd
 
 
-__all__ = ["ENABLED", "GATHER_ROWS", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU", "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "experts_backward", "experts_forward", "swiglu"]
+__all__ = ["ENABLED", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU", "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "experts_backward", "experts_forward", "swiglu"]

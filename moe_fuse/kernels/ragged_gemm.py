@@ -105,8 +105,7 @@ def tile_map(offsets: torch.Tensor, rows: int) -> torch.Tensor:
 @lazy_jit
 def _ragged_gemm_kernel(
     a_ptr,  # [R, K]
-    a_desc,  # a, blocks [BLOCK_M, BLOCK_K] (USE_TMA and not GATHER)
-    a_rows_ptr,  # [R] int32: the row of a that row p reads (GATHER)
+    a_desc,  # a, blocks [BLOCK_M, BLOCK_K] (USE_TMA)
     b_ptr,  # [E, N, K] (B_KMAJOR) or [E, K, N]
     b_desc,  # b viewed 2-D, blocks [BLOCK_N, BLOCK_K] or [BLOCK_K, BLOCK_N] (USE_TMA)
     out_ptr,  # [R, N]
@@ -124,7 +123,6 @@ def _ragged_gemm_kernel(
     BLOCK_K: tl.constexpr,
     B_KMAJOR: tl.constexpr,
     USE_TMA: tl.constexpr,
-    GATHER: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     num_n = tl.cdiv(N, BLOCK_N)
@@ -136,29 +134,23 @@ def _ragged_gemm_kernel(
         row_end = tl.load(tiles_ptr + 3 + 3 * m_tile)
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = n0 + tl.arange(0, BLOCK_N)
-        if GATHER:
-            a_src = tl.load(a_rows_ptr + rows, mask=rows < row_end, other=0).to(tl.int64)
-        else:
-            a_src = rows.to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            if USE_TMA and not GATHER:
+            if USE_TMA:
                 # Rows past the expert's end read the next expert's rows (or zeros past the tensor),
                 # columns past N the next expert's weights: neither is stored. K is a multiple of BLOCK_K.
                 a = a_desc.load([row0, k0])
-            else:
-                a = tl.load(
-                    a_ptr + a_src[:, None] * stride_am + ks[None, :],
-                    mask=(rows < row_end)[:, None] & (ks < K)[None, :],
-                    other=0.0,
-                )
-            if USE_TMA:
                 if B_KMAJOR:
                     b = b_desc.load([e * N + n0, k0]).T
                 else:
                     b = b_desc.load([e * K + k0, n0])
             else:
+                ks = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(
+                    a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :],
+                    mask=(rows < row_end)[:, None] & (ks < K)[None, :],
+                    other=0.0,
+                )
                 b = tl.load(
                     b_ptr + e.to(tl.int64) * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk,
                     mask=(cols < N)[None, :] & (ks < K)[:, None],
@@ -188,27 +180,16 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def ragged_gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    tiles: torch.Tensor,
-    *,
-    b_kmajor: bool,
-    out: torch.Tensor | None = None,
-    a_rows: torch.Tensor | None = None,
+    a: torch.Tensor, b: torch.Tensor, tiles: torch.Tensor, *, b_kmajor: bool, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """out [R, N]: out[p] = a[p] @ B[e] for each expert's rows as listed by ``tiles`` (``tile_map``);
     rows in no tile are left unwritten (as they were in ``out``, if given).
 
     a [R, K]; b [E, N, K] with ``b_kmajor`` (B[e] = b[e]^T: nn.Linear-style weights) else [E, K, N].
     a and b of one floating dtype; out in it.
-    a_rows: int32 [R]; if given, row p reads a[a_rows[p]] (a gather inside the A loads, through pointer
-    loads instead of TMA), a then has any number of rows.
     """
     if a.dim() != 2 or b.dim() != 3:
         raise ValueError(f"ragged_gemm: a must be 2-D and b 3-D, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a_rows is not None and (a_rows.dim() != 1 or a_rows.dtype != torch.int32 or a_rows.device != a.device):
-        raise ValueError(f"ragged_gemm: a_rows must be int32 [R] on a's device, got {tuple(a_rows.shape)} "
-                         f"{a_rows.dtype} on {a_rows.device}")
     E = b.shape[0]
     N, K = (b.shape[1], b.shape[2]) if b_kmajor else (b.shape[2], b.shape[1])
     if a.shape[1] != K or a.dtype != b.dtype:
@@ -216,7 +197,7 @@ def ragged_gemm(
             f"ragged_gemm: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} (K={K}): "
             "need a [R, K] of b's dtype"
         )
-    R = a.shape[0] if a_rows is None else a_rows.numel()
+    R = a.shape[0]
     interpret = interpreting()
     cfg = INTERPRETER_CONFIG if interpret else GPU_CONFIG
     if tiles.dtype != torch.int32 or tiles.numel() != 1 + 3 * (R // cfg.block_m + E):
@@ -239,8 +220,7 @@ def ragged_gemm(
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        if a_rows is None:
-            a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
         if b_kmajor:
             b_desc = TensorDescriptor.from_tensor(b.view(E * N, K), [cfg.block_n, cfg.block_k])
         else:
@@ -250,11 +230,10 @@ def ragged_gemm(
     # B[e][k, n] = b[e, n, k] (b_kmajor) or b[e, k, n]
     stride_bn, stride_bk = (b.stride(1), b.stride(2)) if b_kmajor else (b.stride(2), b.stride(1))
     _ragged_gemm_kernel[(num_programs,)](
-        a, a_desc, a_rows, b, b_desc, out, tiles,
+        a, a_desc, b, b_desc, out, tiles,
         N, K, a.stride(0), b.stride(0), stride_bn, stride_bk, out.stride(0), num_programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, B_KMAJOR=b_kmajor, USE_TMA=use_tma,
-        GATHER=a_rows is not None, IEEE=interpret or a.dtype == torch.float32, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        IEEE=interpret or a.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
