@@ -113,22 +113,51 @@ def run_sustained(fn, seconds: float, *, idle_first: bool = True, batch: int = 1
         time.sleep(1.0)
     with PowerSampler(skip_s=1.0) as smp:
         n, t0 = 0, time.perf_counter()
-        # The energy counter advances in steps (tens of ms apart), so a reading at an arbitrary moment is
-        # off by up to one step: time the counter's steps instead, after every call (the card is busy
-        # throughout, so their rate is the loop's power), and take mJ per call = power x ms per call.
-        edges, last = [], energy_mj()
-        while time.perf_counter() - t0 < seconds:
-            for _ in range(batch):
-                fn()
-                now = energy_mj()
-                if now is not None and now != last:
-                    edges.append((time.perf_counter(), now))
-                    last = now
-            n += batch
-            torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) * 1e3 / n
-        edges = [e for e in edges if e[0] - t0 >= min(1.0, seconds / 2)]  # past the ramp
-        if len(edges) >= 2 and edges[-1][0] > edges[0][0]:
-            watts = (edges[-1][1] - edges[0][1]) / (edges[-1][0] - edges[0][0]) / 1e3
+        with EnergyEdges() as edges:
+            while time.perf_counter() - t0 < seconds:
+                for _ in range(batch):
+                    fn()
+                n += batch
+                torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1e3 / n
+        watts = edges.watts(since=t0 + min(1.0, seconds / 2))  # past the ramp
+        if watts is not None:
             smp.mj_per_call = watts * ms
     return ms, smp
+
+
+class EnergyEdges:
+    """The NVML energy counter's steps, polled on a thread (a read costs about a millisecond: never in the
+    timed loop). The counter advances in steps tens of ms apart, so a reading at an arbitrary moment is off
+    by up to a step; the mean power between two steps' times is not."""
+
+    def __init__(self, period_s: float = 0.002):
+        import threading
+
+        self.period_s, self.edges, self.stop = period_s, [], threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        import time
+
+        last = energy_mj()
+        while last is not None and not self.stop.is_set():
+            now = energy_mj()
+            if now != last:
+                self.edges.append((time.perf_counter(), now))
+                last = now
+            time.sleep(self.period_s)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+    def watts(self, since: float):
+        edges = [e for e in self.edges if e[0] >= since]
+        if len(edges) < 2 or edges[-1][0] <= edges[0][0]:
+            return None
+        return (edges[-1][1] - edges[0][1]) / (edges[-1][0] - edges[0][0]) / 1e3
