@@ -12,6 +12,9 @@ Per shape, with the router's top-k of random HF-initialised weights (bench/probe
 - dgrad + dSwiGLU in one kernel against ragged_gemm + the ``dswiglu`` pass: d_h bitwise equal,
   d_weights to fp32 summation order; each fused kernel run twice must give the same bits.
 
+--wgrad: only the weight-gradient GEMMs (``torch._grouped_mm``, K ragged) beside ragged_gemm's gate_up and
+down, which do the same FLOPs: with --energy, whether the weight gradients cost more joules per FLOP.
+
 --energy S: instead of do_bench, each variant back to back for S seconds with nvidia-smi sampling
 (bench/power.py): ms per call, median power, and energy per call (ms x W). The layer step runs at the
 700 W cap, where a step takes about its energy / 700 W, so this is the figure that decides there.
@@ -50,7 +53,7 @@ def compile_only():
         print(f"EPI={epi} b_kmajor={b_kmajor} BLOCK_N={block_n}: shared {kernel.metadata.shared} bytes; {spills}")
 
 
-def child(shape: str, T: int, energy: float = 0.0):
+def child(shape: str, T: int, energy: float = 0.0, wgrad: bool = False):
     import triton
     from triton.testing import do_bench
 
@@ -112,9 +115,11 @@ def child(shape: str, T: int, energy: float = 0.0):
             for v, fn in fns.items():
                 ms, smp = run_sustained(fn, energy, batch=20)
                 st = smp.stats()
+                nvml = "" if smp.mj_per_call is None else f" (NVML {smp.mj_per_call:.0f})"
                 print(f"    {v:14s} {ms:.3f} ms/call, {st.get('watts', float('nan')):.0f} W, "
-                      f"{ms * st.get('watts', float('nan')):.0f} mJ/call, {st.get('sm_mhz', float('nan')):.0f} MHz, "
-                      f"capped {st.get('capped', float('nan')):.0%}", flush=True)
+                      f"{ms * st.get('watts', float('nan')):.0f} mJ/call{nvml}, "
+                      f"{st.get('sm_mhz', float('nan')):.0f} MHz, capped {st.get('capped', float('nan')):.0%}",
+                      flush=True)
                 out[v] = ms
             return out
         # each variant in turn, three rounds: the median round of do_bench medians
@@ -123,6 +128,15 @@ def child(shape: str, T: int, energy: float = 0.0):
             for v, fn in fns.items():
                 times[v].append(do_bench(fn, warmup=10, rep=100, return_mode="median"))
         return {v: sorted(ts)[1] for v, ts in times.items()}
+    if wgrad:  # the weight gradients (CUTLASS, K ragged) beside the row-ragged GEMMs of the same FLOPs
+        t = timed({
+            "gate_up": lambda: ragged_gemm(xs, w_gu, tiles, b_kmajor=True),
+            "dW_gate_up": lambda: torch._grouped_mm(dh_in.t(), xs, offs=ends),
+            "down": lambda: ragged_gemm(aw_in, w_d, tiles, b_kmajor=True),
+            "dW_down": lambda: torch._grouped_mm(dys.t(), aw_in, offs=ends),
+        })
+        print("  " + " | ".join(f"{v} {ms:.3f} ms" for v, ms in t.items()), flush=True)
+        return
     for name, (a, b, kmajor) in gemms.items():
         want = poisoned(lambda: ragged_gemm(a, b, tiles, b_kmajor=kmajor))
         got = poisoned(lambda: G.ragged_gemm(a, b, tiles, b_kmajor=kmajor))
@@ -195,19 +209,21 @@ def main():
     ap.add_argument("--timeout", type=int, default=180)
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--energy", type=float, default=0.0, help="seconds per variant back to back, with power samples")
+    ap.add_argument("--wgrad", action="store_true",
+                    help="only: the CUTLASS weight-gradient GEMMs beside gate_up / down (the same FLOPs)")
     ap.add_argument("--child", default="")
     args = ap.parse_args()
     if args.compile_only:
         return compile_only()
     if args.child:
         shape, T = args.child.split(":")
-        return child(shape, int(T), args.energy)
+        return child(shape, int(T), args.energy, args.wgrad)
     print(torch.cuda.get_device_name(), flush=True)
     for shape in args.shapes.split(","):
         for T in args.tokens.split(","):
             try:
-                subprocess.run([sys.executable, __file__, "--child", f"{shape}:{T}", "--energy", str(args.energy)],
-                               timeout=args.timeout, check=False)
+                subprocess.run([sys.executable, __file__, "--child", f"{shape}:{T}", "--energy", str(args.energy),
+                                *(["--wgrad"] if args.wgrad else [])], timeout=args.timeout, check=False)
             except subprocess.TimeoutExpired:
                 print(f"{shape} T={T}: killed after {args.timeout} s (hung?)", flush=True)
 
