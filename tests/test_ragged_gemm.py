@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
-from moe_fuse.kernels.ragged_gemm import block_m, ragged_gemm, tile_map  # noqa: E402
+from moe_fuse.kernels.ragged_gemm import RaggedConfig, block_m, ragged_gemm, tile_map  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -70,6 +70,25 @@ def test_ragged_gemm_matches_float64(b_kmajor, dtype, K, N):
     got = out[:routed].double().cpu()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert ((got - want).abs().max() / want.abs().max()).item() < tol
+
+
+def test_ragged_gemm_takes_another_launch_setting():
+    # benchmarks pass their own setting; the tile map must be built for its block_m
+    cfg = RaggedConfig(2 * block_m(), 16, 16, 4, 1)
+    gen = torch.Generator().manual_seed(3)
+    counts = [cfg.block_m + 3, 0, 5]
+    offsets = offsets_of(counts)
+    R = int(offsets[-1])
+    a = torch.randn(R, 32, generator=gen).to(DEVICE)
+    b = torch.randn(len(counts), 32, 24, generator=gen).to(DEVICE)
+    tiles = tile_map(offsets, R, config=cfg)
+    assert int(tiles[0]) == 3  # 2 + 0 + 1 tiles of 2 * block_m() rows
+    got = ragged_gemm(a, b, tiles, b_kmajor=False, config=cfg).double().cpu()
+    want = torch.cat([a[lo:hi].double().cpu() @ b[e].double().cpu()
+                      for e, (lo, hi) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist()))])
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    with pytest.raises(ValueError, match="is not tile_map"):
+        ragged_gemm(a, b, tile_map(offsets, R), b_kmajor=False, config=cfg)
 
 
 def test_ragged_gemm_takes_strided_weights():

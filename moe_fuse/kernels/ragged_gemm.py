@@ -83,15 +83,16 @@ def _tile_map_kernel(
         tl.store(tiles_ptr, total)
 
 
-def tile_map(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+def tile_map(offsets: torch.Tensor, rows: int, *, config: RaggedConfig | None = None) -> torch.Tensor:
     """The M tiles of the experts' row ranges ``[offsets[e], offsets[e + 1])``, for ``ragged_gemm``.
 
-    offsets: int32 [E + 1], non-decreasing, offsets[E] <= rows (the operands' row count).
+    offsets: int32 [E + 1], non-decreasing, offsets[E] <= rows (the operands' row count). config: the
+    launch setting of the ``ragged_gemm`` calls it is for (default: this device's).
     """
     if offsets.dim() != 1 or offsets.dtype != torch.int32 or offsets.numel() < 2:
         raise ValueError(f"tile_map: offsets must be int32 [E + 1], got {tuple(offsets.shape)} {offsets.dtype}")
     E = offsets.numel() - 1
-    bm = block_m()
+    bm = block_m() if config is None else config.block_m
     bound = rows // bm + E  # sum_e ceil(n_e / bm) <= floor(rows / bm) + E
     tiles = torch.empty(1 + 3 * bound, dtype=torch.int32, device=offsets.device)
     e_p2 = next_power_of_2(E)
@@ -180,13 +181,15 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def ragged_gemm(
-    a: torch.Tensor, b: torch.Tensor, tiles: torch.Tensor, *, b_kmajor: bool, out: torch.Tensor | None = None
+    a: torch.Tensor, b: torch.Tensor, tiles: torch.Tensor, *, b_kmajor: bool, out: torch.Tensor | None = None,
+    config: RaggedConfig | None = None,
 ) -> torch.Tensor:
     """out [R, N]: out[p] = a[p] @ B[e] for each expert's rows as listed by ``tiles`` (``tile_map``);
     rows in no tile are left unwritten (as they were in ``out``, if given).
 
     a [R, K]; b [E, N, K] with ``b_kmajor`` (B[e] = b[e]^T: nn.Linear-style weights) else [E, K, N].
-    a and b of one floating dtype; out in it.
+    a and b of one floating dtype; out in it. config: another launch setting (benchmarks), with ``tiles``
+    built for its block_m.
     """
     if a.dim() != 2 or b.dim() != 3:
         raise ValueError(f"ragged_gemm: a must be 2-D and b 3-D, got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -199,7 +202,7 @@ def ragged_gemm(
         )
     R = a.shape[0]
     interpret = interpreting()
-    cfg = INTERPRETER_CONFIG if interpret else GPU_CONFIG
+    cfg = config or (INTERPRETER_CONFIG if interpret else GPU_CONFIG)
     if tiles.dtype != torch.int32 or tiles.numel() != 1 + 3 * (R // cfg.block_m + E):
         raise ValueError(
             f"ragged_gemm: tiles ({tiles.numel()} {tiles.dtype}) is not tile_map(offsets, rows={R}) of {E} experts"
