@@ -112,8 +112,10 @@ torch.library.register_autograd("moe_fuse::router", _router_backward, setup_cont
 # --------------------------------------------------------------------------- experts
 
 
-def _check_experts_args(x, ids, weights, w_gate_up, w_down):
+def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None):
     # Kernels index with these shapes; a mismatch must be an error, not a wrong answer.
+    if swiglu_limit is not None and not (0 < swiglu_limit < float("inf")):
+        raise ValueError(f"moe_fuse.experts: swiglu_limit must be a positive finite number, got {swiglu_limit}")
     T, H = x.shape
     E, two_i, h2 = w_gate_up.shape
     if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != T:
@@ -144,7 +146,8 @@ def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h) -> tuple[int, int, 
 
 @_op
 def experts(
-    x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, save_h: bool = False
+    x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, save_h: bool = False,
+    swiglu_limit: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(y, h, xs, routing, aw): y, then what the backward reads instead of recomputing (``_saved_sizes``).
 
@@ -155,22 +158,26 @@ def experts(
     weight (not written again by the dSwiGLU pass). Each is empty where not kept. The rewrite saves
     them unless the block sits in an activation-checkpointed region, where recomputing inside the
     backward is cheaper than re-running the forward to rebuild them.
+
+    swiglu_limit L (transformers' clamped SwiGLU): silu(gate.clamp(max=L)) * up.clamp(-L, L).
     """
-    _check_experts_args(x, ids, weights, w_gate_up, w_down)
+    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit)
     h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h)
+    lim = {"swiglu_limit": swiglu_limit}
     if routing_size:
         y, h, routing, xs, aw = kernels.experts_forward(
-            x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=True
+            x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=True, **lim
         )
         if not xs_rows:
             xs, aw = _empty(x, x.shape[1]), _empty(w_down, w_down.shape[2])
         return y, h, xs, routing.buf, aw
     if x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):  # without save_h
-        y, h = kernels.experts_forward(x, ids, weights, w_gate_up, w_down), _empty(w_gate_up, w_gate_up.shape[1])
+        y = kernels.experts_forward(x, ids, weights, w_gate_up, w_down, **lim)
+        h = _empty(w_gate_up, w_gate_up.shape[1])
     elif save_h:
-        y, h = reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down, save_h=True)
+        y, h = reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down, save_h=True, **lim)
     else:
-        y = reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down)
+        y = reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down, **lim)
         h = _empty(w_gate_up, w_gate_up.shape[1])
     return y, h, _empty(x, x.shape[1]), _empty(ids, None), _empty(w_down, w_down.shape[2])
 
@@ -183,8 +190,8 @@ def _empty(like, cols):
 
 
 @torch.library.register_fake("moe_fuse::experts")
-def _(x, ids, weights, w_gate_up, w_down, save_h=False):
-    _check_experts_args(x, ids, weights, w_gate_up, w_down)
+def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None):
+    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit)
     h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h)
     return (
         x.new_empty(x.shape),
@@ -198,7 +205,7 @@ def _(x, ids, weights, w_gate_up, w_down, save_h=False):
 @_op
 def experts_backward(
     dy: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor,
-    xs: Tensor, routing: Tensor, aw: Tensor,
+    xs: Tensor, routing: Tensor, aw: Tensor, swiglu_limit: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """h, xs, routing, aw: what the forward kept (``experts``), each empty when not kept (recomputed)."""
     if dy.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):
@@ -206,33 +213,37 @@ def experts_backward(
         grads = kernels.experts_backward(  # makes dy contiguous itself
             dy, x, ids, weights, w_gate_up, w_down, h if h.numel() else None,
             routing=kernels.routing_from_buffer(routing, S, E) if routing.numel() else None,
-            xs=xs if xs.numel() else None, aw=aw if aw.numel() else None,
+            xs=xs if xs.numel() else None, aw=aw if aw.numel() else None, swiglu_limit=swiglu_limit,
         )
     else:
         # The reference recomputes h in fp32. The gradient of a sum arrives with stride 0: make it a real tensor first.
-        grads = reference.experts_backward(dy.contiguous(), x.contiguous(), ids, weights, w_gate_up, w_down)
+        grads = reference.experts_backward(
+            dy.contiguous(), x.contiguous(), ids, weights, w_gate_up, w_down, swiglu_limit=swiglu_limit
+        )
     return tuple(g.contiguous() for g in grads)
 
 
 @torch.library.register_fake("moe_fuse::experts_backward")
-def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw):
+def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, swiglu_limit=None):
     fmt = torch.contiguous_format
     return tuple(torch.empty_like(t, memory_format=fmt) for t in (x, weights, w_gate_up, w_down))
 
 
 def _experts_setup_context(ctx, inputs, output):
-    x, ids, weights, w_gate_up, w_down, _save_h = inputs
+    x, ids, weights, w_gate_up, w_down, _save_h, *limit = inputs  # swiglu_limit arrives only when passed
     ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, *output[1:])
+    ctx.swiglu_limit = limit[0] if limit else None
 
 
 def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing, _d_aw):
     x, ids, weights, w_gate_up, w_down, h, xs, routing, aw = ctx.saved_tensors
     if dy is None:  # only the saved values were used: nothing flows back (they are internal)
         dy = torch.zeros_like(x)
+    extra = () if ctx.swiglu_limit is None else (ctx.swiglu_limit,)
     dx, d_weights, d_wgu, d_wd = torch.ops.moe_fuse.experts_backward(
-        dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw
+        dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, *extra
     )
-    return dx, None, d_weights, d_wgu, d_wd, None
+    return dx, None, d_weights, d_wgu, d_wd, None, None
 
 
 torch.library.register_autograd(

@@ -68,8 +68,25 @@ def _expert_slices(counts: torch.Tensor):
         start += n
 
 
-def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False):
+def limit_in(dtype: torch.dtype, swiglu_limit: float | None) -> float | None:
+    """The clamp bound as the gate_up output's dtype holds it: eager clamps h in that dtype, so clamped
+    values are L rounded to it, and its backward compares h with that same rounded L."""
+    if swiglu_limit is None:
+        return None
+    return torch.tensor(swiglu_limit, dtype=dtype).item()
+
+
+def clamp_gate_up(gate, up, limit: float | None):
+    """transformers' ``swiglu_limit``: gate.clamp(max=L), up.clamp(-L, L) (no-op for None)."""
+    if limit is None:
+        return gate, up
+    return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+
+
+def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, swiglu_limit: float | None = None):
     """y[t] = sum_j weights[t,j] * W_down[e] (silu(W_gate[e] x[t]) * W_up[e] x[t]),  e = ids[t,j].
+
+    swiglu_limit L: gate and up are clamped first (gate at max L, up to [-L, L]), as transformers does.
 
     Rounds like transformers' grouped_mm path: each GEMM in the weights' dtype,
     the routing weight applied with type promotion, the sum over k, then a cast to x.dtype.
@@ -78,6 +95,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False):
     """
     T, H = x.shape
     k = ids.shape[1]
+    limit = limit_in(w_gate_up.dtype, swiglu_limit)
     order, counts = expert_order(ids, w_gate_up.shape[0])
     xs = x[order // k].to(w_gate_up.dtype)
     ys = torch.zeros(xs.shape[0], w_down.shape[1], dtype=w_down.dtype, device=x.device)
@@ -86,7 +104,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False):
         h_rows = xs[rows] @ w_gate_up[e].t()
         if save_h:
             h[rows] = h_rows
-        gate, up = h_rows.chunk(2, dim=-1)
+        gate, up = clamp_gate_up(*h_rows.chunk(2, dim=-1), limit)
         ys[rows] = (F.silu(gate) * up) @ w_down[e].t()
     y_slots = torch.empty_like(ys)
     y_slots[order] = ys
@@ -95,8 +113,11 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False):
     return (y, h) if save_h else y
 
 
-def experts_backward(dy, x, ids, weights, w_gate_up, w_down):
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float | None = None):
     """Gradients of experts_forward w.r.t. (x, weights, w_gate_up, w_down), accumulated in fp32.
+
+    With swiglu_limit, a clamped gate or up value passes no gradient (eager's clamp backward: the
+    bound itself passes).
 
     Recomputes the expert activations instead of saving them. The sum over the k
     slots of each token is a fixed-order reduction (no scatter-add), so results
@@ -106,6 +127,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down):
     k = ids.shape[1]
     E = w_gate_up.shape[0]
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    limit = limit_in(w_gate_up.dtype, swiglu_limit)
     order, counts = expert_order(ids, E)
     token = order // k
     xs = x[token].to(ct)
@@ -120,7 +142,8 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down):
     d_wd = torch.zeros_like(wd)
     for e, rows in _expert_slices(counts):
         h = xs[rows] @ wgu[e].t()
-        gate, up = h.chunk(2, dim=-1)
+        raw_gate, raw_up = h.chunk(2, dim=-1)
+        gate, up = clamp_gate_up(raw_gate, raw_up, limit)
         sig = torch.sigmoid(gate)
         act = gate * sig
         a = act * up
@@ -131,6 +154,9 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down):
         d_a = d_y @ wd[e]
         d_gate = d_a * up * sig * (1 + gate * (1 - sig))
         d_up = d_a * act
+        if limit is not None:
+            d_gate = d_gate * (raw_gate <= limit)
+            d_up = d_up * ((raw_up >= -limit) & (raw_up <= limit))
         d_h = torch.cat([d_gate, d_up], dim=-1)
         d_wgu[e] = d_h.t() @ xs[rows]
         dx_rows[rows] = d_h @ wgu[e]

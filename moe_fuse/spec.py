@@ -28,7 +28,8 @@ class RouterSpec:
 
 @dataclass(frozen=True)
 class ExpertsSpec:
-    """SwiGLU experts over [E, 2I, H] gate_up (gate rows first) and [E, H, I] down weights."""
+    """SwiGLU experts over [E, 2I, H] gate_up (gate rows first) and [E, H, I] down weights, optionally
+    with gate and up clamped at ``swiglu_limit``."""
 
     num_experts: int
     top_k: int
@@ -39,6 +40,8 @@ class ExpertsSpec:
     activation: str = "silu"
     layout: str = "gate_up_concat"
     expert_parallel_sentinels: bool = False  # transformers' EP masking ops were present
+    # transformers' ``swiglu_limit`` (GLM-5-Next, HY-V4, MiniMax-M3-VL): silu(gate.clamp(max=L)) * up.clamp(-L, L)
+    swiglu_limit: float | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -374,8 +374,22 @@ def build(name: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = model_cls(config)
     randomize(model, seed)
+    _randomize_hash_tables(model, seed)
     model.train()
     return model, make_inputs(fam, model)
+
+
+def _randomize_hash_tables(model, seed: int):
+    """Token -> experts tables of hash routers (DeepSeek-V4's ``tid2eid``) start as zeros: every token on
+    expert 0 in both slots, routing weights that do not depend on the router (its true gradient is 0, and
+    eager and compiled would compare rounding noise). Distinct random experts per token instead."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    for module in model.modules():
+        table = getattr(module, "tid2eid", None)
+        if isinstance(table, torch.Tensor) and table.dim() == 2 and not table.is_floating_point():
+            experts = module.num_experts
+            rows = [torch.randperm(experts, generator=gen)[: table.shape[1]] for _ in range(table.shape[0])]
+            table.copy_(torch.stack(rows).to(table.dtype))
 
 
 def make_inputs(fam: Family, model) -> dict:
@@ -474,6 +488,7 @@ class Result:
     reports: list  # report.json of every graph moe_fuse compiled
     experts_modules: int  # interface experts modules the input reaches (0 for families with their own)
     layout_reasons: list  # why those modules are not the standard layout, one per such module
+    fused_experts_calls: int = 0  # moe_fuse.experts calls in one more compiled forward (fused blocks that ran)
 
     @property
     def worst(self) -> tuple[str, float]:
@@ -502,7 +517,9 @@ def run_family(name: str, debug_dir, inner: str | None = None) -> Result:
     torch._dynamo.reset()
     options = {"moe_fuse.inner": inner or inner_backend(name), "moe_fuse.debug_dir": str(debug_dir)}
     try:
-        fused = loss_and_grads(torch.compile(model, backend="moe_fuse", options=options), inputs)
+        compiled = torch.compile(model, backend="moe_fuse", options=options)
+        fused = loss_and_grads(compiled, inputs)
+        calls = count_fused_experts_calls(compiled, inputs)
     finally:
         torch._dynamo.reset()
     errors = {"loss": rel_err(fused[0], eager[0]), "output": rel_err(fused[1], eager[1])}
@@ -515,4 +532,25 @@ def run_family(name: str, debug_dir, inner: str | None = None) -> Result:
             errors[f"grad {pname}"] = float("inf")  # a gradient on one side only
     reports = [json.loads(p.read_text()) for p in sorted(Path(debug_dir).glob("graph_*/report.json"))]
     return Result(name, type(model).__name__, experts_implementation(model), errors, reports,
-                  len(ran), layout_reasons([m for m in interface_experts(model) if m in ran]))
+                  len(ran), layout_reasons([m for m in interface_experts(model) if m in ran]), calls)
+
+
+def count_fused_experts_calls(compiled, inputs) -> int:
+    """How many fused experts blocks one more forward of the compiled model runs: calls of the experts op's
+    CPU implementation, after the first step compiled and verified everything (no probes in this count).
+    One compiled graph can serve several layers (glm5_next: a graph break inside the layer), so this
+    counts blocks where the reports count matches."""
+    from unittest import mock
+
+    from moe_fuse import reference
+
+    calls = []
+    real = reference.experts_forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    with mock.patch.object(reference, "experts_forward", counting):  # grad mode as compiled: no recompile
+        step(compiled, inputs)
+    return len(calls)

@@ -7,7 +7,8 @@
 registers a forward ``(self, hidden_states, top_k_index, top_k_weights) -> Tensor``
 in transformers' ``ALL_EXPERTS_FUNCTIONS``. On an experts module with the
 standard layout (gate_up [E, 2I, H] with the gate rows first, down [E, H, I], no
-bias, not transposed, silu, no post-expert norm, transformers' own gating) it is
+bias, not transposed, silu, no post-expert norm, transformers' own gating or its clamped SwiGLU
+(``swiglu_limit``)) it is
 one ``torch.ops.moe_fuse.experts`` call, forward and backward. Any other module
 runs transformers' ``grouped_mm`` forward instead, with a warning (once per
 module class and reason) that says why.
@@ -46,8 +47,9 @@ def unsupported_reason(module) -> str | None:
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert"
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        return f"a custom gating function ({type(module).__name__}._apply_gate)"
-    if not _is_silu(getattr(module, "act_fn", None)):
+        if swiglu_limit_of(module) is None:
+            return f"a custom gating function ({type(module).__name__}._apply_gate)"
+    elif not _is_silu(getattr(module, "act_fn", None)):
         return f"activation {type(getattr(module, 'act_fn', None)).__name__}, not silu"
     for name in ("gate_up_proj", "down_proj"):
         w = getattr(module, name, None)
@@ -58,6 +60,38 @@ def unsupported_reason(module) -> str | None:
         return f"gate_up_proj {tuple(module.gate_up_proj.shape)} and down_proj {tuple(module.down_proj.shape)} " \
                "are not [E, 2I, H] and [E, H, I]"
     return None
+
+
+_LIMIT_GATES: dict = {}
+
+
+def swiglu_limit_of(module) -> float | None:
+    """L when ``module._apply_gate`` is transformers' clamped SwiGLU, silu(gate.clamp(max=L)) * up.clamp(-L, L)
+    (GLM-5-Next, HY-V4, DeepSeek-V4: the bound in ``swiglu_limit`` or ``limit``), else None.
+
+    Proved on a probe with values past the bound, once per class, gate function and bound: a gate that only looks like it
+    (MiniMax-M3-VL's GPT-OSS-style alpha gate, say) does not pass.
+    """
+    from ..reference import clamp_gate_up
+
+    limit = getattr(module, "swiglu_limit", None)
+    limit = getattr(module, "limit", None) if limit is None else limit
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
+        return None
+    key = (type(module), getattr(type(module), "_apply_gate", None), float(limit))  # a re-bound gate is proved again
+    if key not in _LIMIT_GATES:
+        gen = torch.Generator().manual_seed(0)
+        probe = torch.randn(64, 16, generator=gen, dtype=torch.float64) * (2 * limit)
+        try:
+            got = module._apply_gate(probe)
+        except Exception:  # a gate that cannot run on a float64 CPU probe is no proven match
+            got = None
+        gate, up = clamp_gate_up(*probe.chunk(2, dim=-1), float(limit))
+        want = F.silu(gate) * up
+        _LIMIT_GATES[key] = isinstance(got, torch.Tensor) and got.shape == want.shape and bool(
+            torch.allclose(got, want, rtol=1e-12, atol=0)
+        )
+    return float(limit) if _LIMIT_GATES[key] else None
 
 
 def _warn_once(module, reason: str):
@@ -85,7 +119,8 @@ def moe_fuse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: tor
     args = (hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
     # Keep h for the backward only when there will be one (the op's docstring says why).
     save_h = torch.is_grad_enabled() and any(t.requires_grad for t in args)
-    return torch.ops.moe_fuse.experts(*args, save_h)[0]
+    limit = swiglu_limit_of(self)
+    return torch.ops.moe_fuse.experts(*args, save_h, *(() if limit is None else (limit,)))[0]
 
 
 def register_experts_implementation(name: str = NAME) -> str:

@@ -6,9 +6,10 @@ run every GEMM through torch._grouped_mm (CUTLASS) with Triton kernels around it
 gate_up GEMM never writes h to memory.
 
 Public:
-    experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False, keep_rows=False)
+    experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False, keep_rows=False, swiglu_limit=None)
         -> y  (or (y, h, routing), or (y, h, routing, xs | None, aw | None))
-    experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None)
+    experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None,
+                     swiglu_limit=None)
         -> (dx, d_weights, d_w_gate_up, d_w_down)
     supports(x, ids, weights, w_gate_up, w_down) -> bool
     uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool
@@ -36,8 +37,9 @@ def uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool:
     return ids.numel() > 0 and grouped_mm_path.applies(x, w_gate_up, w_down, *others)
 
 
-def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False):
-    """See forward.experts_forward: same result as reference.experts_forward.
+def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False,
+                    swiglu_limit: float | None = None):
+    """See forward.experts_forward: same result as reference.experts_forward (with its swiglu_limit).
 
     save_h: (y, h, routing); with keep_rows too: (y, h, routing, xs, aw), on grouped_mm_path the
     weight gradients' operands its backward reads (xs the expert-sorted rows of x, aw the weighted
@@ -47,12 +49,15 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     from .forward import experts_forward as impl
 
     if save_h and uses_grouped_mm(x, ids, w_gate_up, w_down):
-        return grouped_mm_path.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=keep_rows)
-    out = impl(x, ids, weights, w_gate_up, w_down, save_h=save_h)
+        return grouped_mm_path.experts_forward(
+            x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=keep_rows, swiglu_limit=swiglu_limit
+        )
+    out = impl(x, ids, weights, w_gate_up, w_down, save_h=save_h, swiglu_limit=swiglu_limit)
     return (*out, None, None) if save_h and keep_rows else out
 
 
-def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None):
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None,
+                     swiglu_limit: float | None = None):
     """See backward.experts_backward: same result as reference.experts_backward (under the same ``supports``).
 
     h, routing, xs, aw: what ``experts_forward(save_h=True, keep_rows=True)`` kept, or None to recompute.
@@ -62,9 +67,9 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
 
     if uses_grouped_mm(x, ids, w_gate_up, w_down, dy):
         return grouped_mm_path.experts_backward(
-            dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, xs=xs, aw=aw
+            dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, xs=xs, aw=aw, swiglu_limit=swiglu_limit
         )
-    return impl(dy, x, ids, weights, w_gate_up, w_down, h, routing=routing)
+    return impl(dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, swiglu_limit=swiglu_limit)
 
 
 def supports(x, ids, weights, w_gate_up, w_down) -> bool:

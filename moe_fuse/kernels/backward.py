@@ -42,6 +42,7 @@ import torch
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..reference import limit_in
 from ._jit import cdiv, interpreting, lazy_jit, next_power_of_2
 from .combine import combine
 from .forward import supports
@@ -78,6 +79,7 @@ def _dgrad_kernel(
     stride_wde,
     stride_wdh,
     stride_wdi,
+    limit,  # swiglu_limit in the weights' dtype (LIMITED)
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -85,6 +87,7 @@ def _dgrad_kernel(
     GROUP_M: tl.constexpr,
     E_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
+    LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) before SwiGLU
     USE_TMA: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -176,6 +179,13 @@ def _dgrad_kernel(
 
     # ---- epilogue, fp32: SwiGLU recomputed, its backward, the routing-weight gradient's partial sum
     rw = tl.load(rw_ptr + src, mask=row_valid, other=0.0).to(tl.float32)[:, None]
+    if LIMITED:  # clamp h as the forward stored it (rounded); a clamped value passes no gradient
+        acc_g = acc_g.to(dh_ptr.dtype.element_ty).to(tl.float32)
+        acc_u = acc_u.to(dh_ptr.dtype.element_ty).to(tl.float32)
+        g_in = acc_g <= limit
+        u_in = (acc_u >= -limit) & (acc_u <= limit)
+        acc_g = tl.minimum(acc_g, limit, propagate_nan=tl.PropagateNan.ALL)
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
     sig = tl.sigmoid(acc_g)
     act = acc_g * sig  # silu(gate)
     a = act * acc_u
@@ -183,6 +193,9 @@ def _dgrad_kernel(
     d_a = rw * acc_d
     d_gate = d_a * acc_u * sig * (1.0 + acc_g * (1.0 - sig))
     d_up = d_a * act
+    if LIMITED:
+        d_gate = tl.where(g_in, d_gate, 0.0)
+        d_up = tl.where(u_in, d_up, 0.0)
 
     out_mask = row_valid[:, None] & n_in
     pos64 = pos.to(tl.int64)
@@ -294,6 +307,8 @@ def _dswiglu_kernel(
     S,
     I,
     E,
+    limit,  # swiglu_limit in h's dtype (LIMITED)
+    LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) before SwiGLU
     WRITE_AW: tl.constexpr,  # False: the forward kept aw (grouped_mm_path), skip the [S, I] store
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
@@ -316,13 +331,23 @@ def _dswiglu_kernel(
         g = tl.load(g_ptr + p64 * I + i[None, :], mask=mask, other=0.0).to(tl.float32)
         gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        if LIMITED:  # a clamped value passes no gradient (eager's clamp backward; the bound itself passes)
+            g_in = gate <= limit
+            u_in = (up >= -limit) & (up <= limit)
+            gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+            up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
         sig = tl.sigmoid(gate)
         act = gate * sig  # silu(gate)
         a = act * up
         dw += tl.sum(g * a, axis=1)
         d_a = w * g
-        tl.store(dh_ptr + p64 * (2 * I) + i[None, :], (d_a * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(dh_ptr + p64 * (2 * I) + I + i[None, :], (d_a * act).to(dh_ptr.dtype.element_ty), mask=mask)
+        d_gate = d_a * up * sig * (1.0 + gate * (1.0 - sig))
+        d_up = d_a * act
+        if LIMITED:
+            d_gate = tl.where(g_in, d_gate, 0.0)
+            d_up = tl.where(u_in, d_up, 0.0)
+        tl.store(dh_ptr + p64 * (2 * I) + i[None, :], d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dh_ptr + p64 * (2 * I) + I + i[None, :], d_up.to(dh_ptr.dtype.element_ty), mask=mask)
         if WRITE_AW:
             tl.store(aw_ptr + p64 * I + i[None, :], (w * a).to(aw_ptr.dtype.element_ty), mask=mask)
     tl.store(dw_ptr + src, dw.to(dw_ptr.dtype.element_ty), mask=in_s)
@@ -587,7 +612,8 @@ def _wgrad_config(S: int, E: int, dtype: torch.dtype, kind: str) -> GemmConfig:
 # --------------------------------------------------------------------------- launchers
 
 
-def dgrad_saved(dy, routing: Routing, rw, h, w_down, top_k: int, weights_dtype, *, config: GemmConfig | None = None):
+def dgrad_saved(dy, routing: Routing, rw, h, w_down, top_k: int, weights_dtype, *, config: GemmConfig | None = None,
+                swiglu_limit: float | None = None):
     """(d_h [S, 2I], aw [S, I], d_weights [S] by row): the dgrad when the forward kept h [S, 2I].
 
     Two launches: the GEMM g = dy[tok] @ W_down[e] ([S, I], weights' dtype), then the dSwiGLU pass.
@@ -624,16 +650,18 @@ def dgrad_saved(dy, routing: Routing, rw, h, w_down, top_k: int, weights_dtype, 
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return dswiglu(g, h, rw, routing, weights_dtype)
+    return dswiglu(g, h, rw, routing, weights_dtype, swiglu_limit=swiglu_limit)
 
 
-def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True):
+def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True, swiglu_limit: float | None = None):
     """(d_h [S, 2I], aw [S, I] or None, d_weights [S] by row) from g = dy[tok] @ W_down[e] and the saved h,
     sorted order. write_aw False: aw is not computed (None), for a caller that kept the forward's.
 
-    Rows past offsets[E] (sentinels): d_weights 0, d_h and aw not written.
+    Rows past offsets[E] (sentinels): d_weights 0, d_h and aw not written. swiglu_limit: the forward clamped
+    gate and up (``reference.clamp_gate_up``).
     """
     S, I = g.shape
+    limit = limit_in(h.dtype, swiglu_limit)
     dh = torch.empty(S, 2 * I, dtype=g.dtype, device=g.device)
     aw = torch.empty(S, I, dtype=g.dtype, device=g.device) if write_aw else None
     d_weights = torch.empty(S, dtype=weights_dtype, device=g.device)
@@ -642,12 +670,14 @@ def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True)
     block_i = 32 if interpreting() else 256
     _dswiglu_kernel[(cdiv(S, block_r),)](
         g, h, rw, routing.order, routing.offsets, dh, aw if write_aw else dh, d_weights, S, I,
-        routing.counts.numel(), WRITE_AW=write_aw, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
+        routing.counts.numel(), 0.0 if limit is None else limit, LIMITED=limit is not None, WRITE_AW=write_aw,
+        BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
     )
     return dh, aw, d_weights
 
 
-def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config: GemmConfig | None = None):
+def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config: GemmConfig | None = None,
+          swiglu_limit: float | None = None):
     """(d_h [S, 2I], aw [S, I], partials [n_tiles, S] fp32), all in sorted order; see the module docstring.
 
     dy [T, H] contiguous, rw [S] the routing weights by row (contiguous); h is recomputed from x.
@@ -656,6 +686,7 @@ def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config:
     I = two_i // 2
     S = routing.order.numel()
     cfg = config or default_backward_config(S, E, H, I, w_gate_up.dtype).dgrad
+    limit = limit_in(w_gate_up.dtype, swiglu_limit)
     num_n = cdiv(I, cfg.block_n)
     dh = torch.empty(S, two_i, dtype=w_gate_up.dtype, device=x.device)
     aw = torch.empty(S, I, dtype=w_gate_up.dtype, device=x.device)
@@ -689,6 +720,7 @@ def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config:
         x.stride(1),
         *w_gate_up.stride(),
         *w_down.stride(),
+        0.0 if limit is None else limit,
         TOP_K=top_k,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -696,6 +728,7 @@ def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config:
         GROUP_M=cfg.group_m,
         E_P2=next_power_of_2(E),
         EVEN_K=H % cfg.block_k == 0,
+        LIMITED=limit is not None,
         USE_TMA=use_tma,
         INTERPRET=interpreting(),
         DOT_PRECISION=_dot_precision(w_gate_up.dtype),
@@ -813,7 +846,7 @@ def d_weights_by_row(part, routing: Routing, num_experts: int, out_dtype):
 
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: BackwardConfig | None = None,
-                     routing: Routing | None = None):
+                     routing: Routing | None = None, swiglu_limit: float | None = None):
     """(dx, d_weights, d_w_gate_up, d_w_down): the semantics and dtypes of ``reference.experts_backward``.
 
     dy [T, H] (any strides, stride 0 included), x [T, H], ids [T, k] (ids >= E: expert-parallel
@@ -845,10 +878,12 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
         routing = route(ids, E)
 
     if h is None:
-        dh, aw, part = dgrad(dy, x, routing, rw, w_gate_up, w_down, k, config=cfg.dgrad)
+        dh, aw, part = dgrad(dy, x, routing, rw, w_gate_up, w_down, k, config=cfg.dgrad, swiglu_limit=swiglu_limit)
         d_weights = d_weights_by_row(part, routing, E, weights.dtype)
     else:
-        dh, aw, d_weights = dgrad_saved(dy, routing, rw, h, w_down, k, weights.dtype, config=cfg.dgrad)
+        dh, aw, d_weights = dgrad_saved(
+            dy, routing, rw, h, w_down, k, weights.dtype, config=cfg.dgrad, swiglu_limit=swiglu_limit
+        )
     by_load = experts_by_rows(routing)
     side = side_stream(dev) if OVERLAP_WGRAD and dev.type == "cuda" and not interpreting() else None
     main = torch.cuda.current_stream(dev) if side is not None else None

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..reference import limit_in
 from ._jit import cdiv, interpreting, lazy_jit, next_power_of_2
 from .routing import Routing
 
@@ -69,6 +70,7 @@ def _gate_up_kernel(
     stride_we,
     stride_wn,
     stride_wh,
+    limit,  # swiglu_limit in h's dtype (LIMITED)
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -77,6 +79,7 @@ def _gate_up_kernel(
     E_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     SAVE_H: tl.constexpr,
+    LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) before SwiGLU
     USE_TMA: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -152,6 +155,11 @@ def _gate_up_kernel(
         h_ptrs = h_ptr + pos64 * (2 * I) + n[None, :]
         tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=out_mask)
         tl.store(h_ptrs + I, acc_u.to(h_ptr.dtype.element_ty), mask=out_mask)
+    if LIMITED:  # clamp what h stores (rounded), as eager clamps h
+        acc_g = tl.minimum(acc_g.to(h_ptr.dtype.element_ty).to(tl.float32), limit, propagate_nan=tl.PropagateNan.ALL)
+        acc_u = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                           propagate_nan=tl.PropagateNan.ALL)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(a_ptr + pos64 * I + n[None, :], act.to(a_ptr.dtype.element_ty), mask=out_mask)
 
@@ -302,9 +310,12 @@ def gate_up(
     top_k: int,
     *,
     save_h: bool = False,
+    swiglu_limit: float | None = None,
     config: GemmConfig | None = None,
 ):
-    """a [S, I] (sorted order, weights' dtype) and, if ``save_h``, h [S, 2I] = the pre-activation gate | up."""
+    """a [S, I] (sorted order, weights' dtype) and, if ``save_h``, h [S, 2I] = the pre-activation gate | up.
+
+    swiglu_limit: gate and up clamped first (``reference.clamp_gate_up``)."""
     E, two_i, H = w_gate_up.shape
     I = two_i // 2
     S = routing.order.numel()
@@ -313,6 +324,7 @@ def gate_up(
     if S == 0:
         return a, h
     cfg = config or default_config("gate_up", S, E, I, H, w_gate_up.dtype)
+    limit = limit_in(w_gate_up.dtype, swiglu_limit)
     use_tma = cfg.use_tma and _tma_ok(w_gate_up)
     w_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * two_i, H), [cfg.block_n, cfg.block_k]) if use_tma else None
     num_m = _m_tiles_bound(S, E, cfg.block_m)
@@ -334,6 +346,7 @@ def gate_up(
         w_gate_up.stride(0),
         w_gate_up.stride(1),
         w_gate_up.stride(2),
+        0.0 if limit is None else limit,
         TOP_K=top_k,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -342,6 +355,7 @@ def gate_up(
         E_P2=next_power_of_2(E),
         EVEN_K=H % cfg.block_k == 0,
         SAVE_H=save_h,
+        LIMITED=limit is not None,
         USE_TMA=use_tma,
         INTERPRET=interpreting(),
         DOT_PRECISION=_dot_precision(w_gate_up.dtype),

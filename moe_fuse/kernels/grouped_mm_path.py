@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+from ..reference import limit_in
 from ._jit import cdiv, interpreting, lazy_jit
 from . import gluon_ragged
 from .backward import check_saved_h, dswiglu
@@ -94,6 +95,8 @@ def _swiglu_kernel(
     S,
     I,
     E,
+    limit,  # swiglu_limit in h's dtype (LIMITED)
+    LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) first
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
@@ -111,20 +114,28 @@ def _swiglu_kernel(
         mask = routed[:, None] & (i < I)[None, :]
         gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        if LIMITED:
+            gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+            up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                            propagate_nan=tl.PropagateNan.ALL)
         aw = w * (gate * tl.sigmoid(gate) * up)
         tl.store(a_ptr + p64 * I + i[None, :], aw.to(a_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu(h: torch.Tensor, routing: Routing, rw: torch.Tensor) -> torch.Tensor:
-    """aw [S, I] = w * silu(gate) * up in h's dtype, sorted order; rw [T * k] the routing weights by row."""
+def swiglu(h: torch.Tensor, routing: Routing, rw: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+    """aw [S, I] = w * silu(gate) * up in h's dtype, sorted order; rw [T * k] the routing weights by row.
+
+    swiglu_limit: gate and up clamped first (``reference.clamp_gate_up``)."""
     S, two_i = h.shape
     I = two_i // 2
     E = routing.counts.numel()
     a = torch.empty(S, I, dtype=h.dtype, device=h.device)
     # 4 x 256: 150 us against 161 at 16 x 128 (30B, T=16384, H200; bench/probe_pass_configs_gpu.py).
     block_r, block_i = (4, 32) if interpreting() else (4, 256)
+    limit = limit_in(h.dtype, swiglu_limit)
     _swiglu_kernel[(cdiv(S, block_r),)](
-        h, rw, routing.order, a, routing.offsets, S, I, E, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4
+        h, rw, routing.order, a, routing.offsets, S, I, E, 0.0 if limit is None else limit,
+        LIMITED=limit is not None, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
     )
     return a
 
@@ -150,7 +161,8 @@ def _tiles(routing: Routing, rows: int):
     return tile_map(routing.offsets, rows) if RAGGED_TRITON and rows >= RAGGED_MIN_ROWS else None
 
 
-def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False):
+def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False,
+                    swiglu_limit: float | None = None):
     """Same contract as ``forward.experts_forward`` (y, or (y, h, routing) with ``save_h``); needs S > 0.
 
     keep_rows (with save_h): (y, h, routing, xs, aw), the two GEMM operands the backward's weight
@@ -167,11 +179,11 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     rw = weights.reshape(-1).contiguous()
     # The routing weight scales the down GEMM's input rows, not its output: the combine then only
     # sums, and the scaled rows are dW_down's operand too.
-    if _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2]):
+    if swiglu_limit is None and _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2]):
         h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # same bits as below
     else:
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
-        aw = swiglu(h, routing, rw)
+        aw = swiglu(h, routing, rw, swiglu_limit)
     if not (save_h and keep_rows):
         del xs
     o = _row_gemm(aw, w_down, tiles, ends, w_kmajor=True)
@@ -181,7 +193,8 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     return (y, h, routing, xs, aw) if keep_rows else (y, h, routing)
 
 
-def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None):
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None,
+                     swiglu_limit: float | None = None):
     """Same contract as ``backward.experts_backward``; needs S > 0.
 
     h, routing, xs, aw: what the forward kept (``experts_forward(save_h=True, keep_rows=True)``), each
@@ -210,12 +223,14 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
     dys = expand_rows(dy, routing.pos.view(T, k))
     rw = weights.reshape(-1).contiguous()
-    if aw is not None and _fused(GLUON_DSWIGLU, tiles, I, H):
+    if aw is not None and swiglu_limit is None and _fused(GLUON_DSWIGLU, tiles, I, H):
         # d_h bitwise the unfused pass's; d_weights summed over 128-column partials (fixed order)
         dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
     else:
         g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
-        dh, aw_now, d_weights = dswiglu(g, h, rw, routing, weights.dtype, write_aw=aw is None)
+        dh, aw_now, d_weights = dswiglu(
+            g, h, rw, routing, weights.dtype, write_aw=aw is None, swiglu_limit=swiglu_limit
+        )
         aw = aw_now if aw is None else aw
         del g
     # One stream: each CUTLASS GEMM fills every SM, so a weight-gradient GEMM on a second stream only

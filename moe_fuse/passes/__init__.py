@@ -94,8 +94,12 @@ def checkpointed_bodies(gm: fx.GraphModule) -> set[str]:
 def _recompute_h(cand: Candidate) -> None:
     """Inside a checkpointed body the backward recomputes h itself: saving it would make the partitioner
     re-run the whole fused forward in the backward just to rebuild h."""
-    if cand.op in (torch.ops.moe_fuse.experts.default, torchtitan.experts_call) and cand.op_args[-1] is True:
-        cand.op_args = (*cand.op_args[:-1], False)
+    # save_h: moe_fuse.experts(x, ids, weights, W_gu, W_d, save_h[, swiglu_limit]); experts_call(..., save_h)
+    at = {torch.ops.moe_fuse.experts.default: 5, torchtitan.experts_call: -1}.get(cand.op)
+    if at is not None and cand.op_args[at] is True:
+        args = list(cand.op_args)
+        args[at] = False
+        cand.op_args = tuple(args)
 
 
 def _rewrite_ep_dispatch(module: fx.GraphModule, chunks: int, report, where: str) -> None:

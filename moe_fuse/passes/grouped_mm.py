@@ -145,6 +145,7 @@ def match(up_mm: fx.Node) -> Candidate:
     expect_literal(arg(chunk, 1, "chunks"), 2, "chunk count", chunk)
     expect_literal(arg(chunk, 2, "dim", 0) in (-1, 1), True, "chunk over the last dim", chunk)
     gate, up = getitem_user(chunk, 0), getitem_user(chunk, 1)
+    gate, up, swiglu_limit = match_swiglu_limit(gate, up)
     act = user_of(gate, "silu")
     glu = user_of(act, "mul")
     if set(glu.args) != {act, up}:
@@ -189,8 +190,39 @@ def match(up_mm: fx.Node) -> Candidate:
         dtype=dtype_of(x),
         weights_dtype=dtype_of(weights),
         expert_parallel_sentinels=mask is not None or mask2 is not None,
+        swiglu_limit=swiglu_limit,
     )
     return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm)
+
+
+def _clamp_bounds(node: fx.Node):
+    # clamp(input, min=None, max=None): method or function, positional or keyword
+    return arg(node, 1, "min"), arg(node, 2, "max")
+
+
+def match_swiglu_limit(gate: fx.Node, up: fx.Node):
+    """transformers' ``swiglu_limit`` (GLM-5-Next, HY-V4, MiniMax-M3-VL): ``gate.clamp(max=L)`` and
+    ``up.clamp(min=-L, max=L)`` between the chunk and ``silu(gate) * up``.
+
+    Returns (gate, up, L) with gate and up the clamped nodes, or the inputs and None when neither half
+    is clamped. Any other clamp (one half only, other bounds, a bound that is not a number) is no match.
+    """
+    gate_clamp = [u for u in gate.users if is_op(u, "clamp")]
+    up_clamp = [u for u in up.users if is_op(u, "clamp")]
+    if not gate_clamp and not up_clamp:
+        return gate, up, None
+    g = user_of(gate, "clamp")
+    u = user_of(up, "clamp")
+    g_min, g_max = _clamp_bounds(g)
+    u_min, u_max = _clamp_bounds(u)
+    limit = g_max
+    if g_min is not None or isinstance(limit, bool) or not isinstance(limit, (int, float)):
+        raise NoMatch(f"gate clamped to [{g_min}, {g_max}], expected clamp(max=L) with a number L", g)
+    if not 0 < limit < float("inf"):
+        raise NoMatch(f"gate clamped at max={limit}, expected a positive finite limit", g)
+    if u_max != limit or u_min != -limit:
+        raise NoMatch(f"up clamped to [{u_min}, {u_max}], expected [{-limit}, {limit}] (the gate's limit)", u)
+    return g, u, float(limit)
 
 
 def experts_candidate(pattern: str, spec: ExpertsSpec, inputs, out: fx.Node, anchor: fx.Node, notes=()) -> Candidate:
@@ -200,12 +232,13 @@ def experts_candidate(pattern: str, spec: ExpertsSpec, inputs, out: fx.Node, anc
     AOTAutograd decides it: grad mode on and an input that requires grad. Shared by the experts patterns.
     """
     save_h = torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False) for n in inputs)
+    limit = getattr(spec, "swiglu_limit", None)
     return Candidate(
         pattern=pattern,
         spec=spec,
         region=collect_region(list(inputs), [out]),
         op=torch.ops.moe_fuse.experts.default,
-        op_args=(*inputs, save_h),
+        op_args=(*inputs, save_h) if limit is None else (*inputs, save_h, limit),
         output_index=[0],
         input_kinds=["hidden", "expert_ids", "routing_weights", "param", "param"],
         anchor=anchor,
