@@ -236,3 +236,25 @@ def test_minimax_alpha_gate_is_not_taken_for_a_clamped_swiglu():
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
     assert experts and all(swiglu_limit_of(m) is None for m in experts)
     assert all("custom gating function" in unsupported_reason(m) for m in experts)
+
+
+def test_checkpointed_layers_keep_the_limit_and_recompute_h(tmp_path):
+    """Inside activation checkpointing the rewrite turns save_h off; the limit stays the op's last argument."""
+    import re
+
+    # output_router_logits: its recording hook inside a checkpoint makes Dynamo run the layer eagerly
+    model, inputs = families.build("hy_v4", swiglu_limit=0.05, output_router_logits=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    eager = families.loss_and_grads(model, inputs)
+    torch._dynamo.reset()
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path)}
+    try:
+        fused = families.loss_and_grads(torch.compile(model, backend="moe_fuse", options=options), inputs)
+    finally:
+        torch._dynamo.reset()
+    after = "".join(p.read_text() for p in sorted(tmp_path.glob("graph_*/after.py")))
+    calls = re.findall(r"torch\.ops\.moe_fuse\.experts\.default\([^;]*, (True|False), ([0-9.]+)\)", after)
+    assert calls == [("False", "0.05")] * 2, calls
+    for what, a, b in [("loss", fused[0], eager[0])] + [(f"grad {n}", fused[3][n], g) for n, g in eager[3].items()]:
+        assert families.rel_err(a, b) < families.TOLERANCE, what
