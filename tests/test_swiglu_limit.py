@@ -258,3 +258,32 @@ def test_checkpointed_layers_keep_the_limit_and_recompute_h(tmp_path):
     assert calls == [("False", "0.05")] * 2, calls
     for what, a, b in [("loss", fused[0], eager[0])] + [(f"grad {n}", fused[3][n], g) for n, g in eager[3].items()]:
         assert families.rel_err(a, b) < families.TOLERANCE, what
+
+
+def test_eager_experts_implementation_passes_the_limit():
+    """``set_experts_implementation("moe_fuse")`` (no torch.compile) on a clamped family: one fused op call per
+    block, with the limit, and eager's loss and gradients."""
+    import warnings
+
+    import moe_fuse
+    from torch.overrides import TorchFunctionMode
+
+    moe_fuse.register_experts_implementation()
+    model, inputs = families.build("hy_v4", swiglu_limit=0.05)
+    eager = families.loss_and_grads(model, inputs)
+    model.set_experts_implementation("moe_fuse")
+    limits = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.moe_fuse.experts.default, torch.ops.moe_fuse.experts):
+                limits.append(args[6] if len(args) > 6 else None)
+            return func(*args, **(kwargs or {}))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a proven clamped gate does not fall back
+        with Spy():
+            fused = families.loss_and_grads(model, inputs)
+    assert limits == [0.05, 0.05], limits
+    for what, a, b in [("loss", fused[0], eager[0])] + [(f"grad {n}", fused[3][n], g) for n, g in eager[3].items()]:
+        assert families.rel_err(a, b) < families.TOLERANCE, what
