@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""The clamped SwiGLU (``swiglu_limit``) on the GPU: every kernel path against an fp32 reference, and its cost.
+"""The clamped SwiGLU (``swiglu_limit``) and the GPT-OSS-style gate on it (``glu_alpha``) on the GPU: every
+kernel path against an fp32 reference, and their cost.
 
-    PYTHONPATH=. python3 bench/check_swiglu_limit_gpu.py [--tokens 4096] [--limit 1.0]
+    PYTHONPATH=. python3 bench/check_swiglu_limit_gpu.py [--tokens 4096] [--limit 1.0] [--alpha 1.702]
 
 A Qwen3-30B-A3B-shaped experts layer (H 2048, I 768, E 128, k 8), bf16, h of about N(0, 1) so that a
 limit of 1.0 clamps about a third of the gate and up values. Paths: the training path (grouped_mm_path:
@@ -42,16 +43,17 @@ def case(T, seed=0):
     return x, ids, w, wgu, wd, dy
 
 
-def paths(args, dy, limit):
+def paths(args, dy, limit, alpha=None):
     x, ids, w, wgu, wd = args
     out = {}
-    y, h, routing, xs, aw = kernels.experts_forward(*args, save_h=True, keep_rows=True, swiglu_limit=limit)
-    grads = kernels.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, swiglu_limit=limit)
+    gate = {"swiglu_limit": limit, "glu_alpha": alpha}
+    y, h, routing, xs, aw = kernels.experts_forward(*args, save_h=True, keep_rows=True, **gate)
+    grads = kernels.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, **gate)
     out["training path (grouped_mm_path)"] = (y, *grads)
-    y_inf = kernels.experts_forward(*args, swiglu_limit=limit)  # no h: the all-Triton forward
+    y_inf = kernels.experts_forward(*args, **gate)  # no h: the all-Triton forward
     grouped_mm_path.ENABLED = False
     try:
-        g_rec = kernels.experts_backward(dy, *args, swiglu_limit=limit)  # all-Triton, h recomputed
+        g_rec = kernels.experts_backward(dy, *args, **gate)  # all-Triton, h recomputed
     finally:
         grouped_mm_path.ENABLED = True
     out["all-Triton (fwd without h, bwd recomputing h)"] = (y_inf, *g_rec)
@@ -62,6 +64,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--limit", type=float, default=1.0)
+    parser.add_argument("--alpha", type=float, default=1.702)
     args_ = parser.parse_args()
     x, ids, w, wgu, wd, dy = case(args_.tokens)
     args = (x, ids, w, wgu, wd)
@@ -69,38 +72,39 @@ def main():
     S = ids.numel()
     print(f"{torch.cuda.get_device_name()} T={args_.tokens} limit={args_.limit} (as bf16: {lim_bf16})")
     f32 = [t.float() if t.is_floating_point() else t for t in args]
-    for limit in (args_.limit, None):
+    for limit, alpha in ((args_.limit, None), (args_.limit, args_.alpha), (None, None)):
         lim = None if limit is None else lim_bf16
-        want_y = reference.experts_forward(*f32, swiglu_limit=lim)
-        want_g = reference.experts_backward(dy.float(), *f32, swiglu_limit=lim)
+        want_y = reference.experts_forward(*f32, swiglu_limit=lim, glu_alpha=alpha)
+        want_g = reference.experts_backward(dy.float(), *f32, swiglu_limit=lim, glu_alpha=alpha)
         if limit is not None:
             h = kernels.experts_forward(*args, save_h=True)[1].float()  # [S, 2I]: gate | up
             print(f"  values clamped: gate {(h[:, :I] > lim).float().mean():.1%}, "
                   f"up {(h[:, I:].abs() > lim).float().mean():.1%} (of {S} rows)")
             del h
-        first = paths(args, dy, limit)
-        again = paths(args, dy, limit)
+        first = paths(args, dy, limit, alpha)
+        again = paths(args, dy, limit, alpha)
         for name, got in first.items():
             errs = [rel(g, r) for g, r in zip(got, (want_y, *want_g))]
             same = all(torch.equal(a, b) for a, b in zip(got, again[name]))
-            print(f"  limit {limit!s:>4}  {name:<48} y {errs[0]:.1e}  dx {errs[1]:.1e}  d_w {errs[2]:.1e}  "
+            print(f"  limit {limit!s:>4} alpha {alpha!s:>5}  {name:<48} y {errs[0]:.1e}  dx {errs[1]:.1e}  d_w {errs[2]:.1e}  "
                   f"dW_gu {errs[3]:.1e}  dW_d {errs[4]:.1e}  repeat bitwise: {same}")
         del want_y, want_g
     rg = [t.requires_grad_() if t.is_floating_point() else t for t in (x.clone(), ids, w.clone(), wgu, wd)]
 
-    def step(limit):
-        out = torch.ops.moe_fuse.experts(*rg, True, *(() if limit is None else (limit,)))[0]
+    def step(gate):
+        out = torch.ops.moe_fuse.experts(*rg, True, *gate)[0]
         out.backward(dy)
 
     import moe_fuse.ops  # noqa: F401
 
-    for limit in (None, args_.limit, None, args_.limit):
-        ms = do_bench(lambda: step(limit), warmup=10, rep=200, grad_to_none=[t for t in rg if t.is_floating_point()])
-        print(f"  fwd+bwd (the op, training path) limit {limit!s:>4}: {ms:.3f} ms")
-    compiled_block(args_.tokens, args_.limit)
+    for gate in ((), (args_.limit,), (args_.limit, args_.alpha)) * 2:
+        ms = do_bench(lambda: step(gate), warmup=10, rep=200, grad_to_none=[t for t in rg if t.is_floating_point()])
+        print(f"  fwd+bwd (the op, training path) gate args {gate!s:<13}: {ms:.3f} ms")
+    compiled_block(args_.tokens, args_.limit, None)
+    compiled_block(args_.tokens, args_.limit, args_.alpha)
 
 
-def compiled_block(T, limit):
+def compiled_block(T, limit, alpha):
     """transformers' Qwen3-MoE block with its experts' gate swapped for the clamped SwiGLU (as the
     DeepSeek-V4 / GLM-5-Next / HY-V4 experts define it), eager vs backend="moe_fuse" (Inductor)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -115,7 +119,10 @@ def compiled_block(T, limit):
 
     def clamped_gate(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate.clamp(max=self.swiglu_limit)) * up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        if alpha is None:
+            return F.silu(gate) * up
+        return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))  # MiniMax-M3-VL's spelling
 
     experts_cls._apply_gate = clamped_gate
     # weights of N(0, 0.02^2) give h of ~N(0, 0.9^2) at H 2048: scale the limit to clamp as often as above
@@ -139,7 +146,8 @@ def compiled_block(T, limit):
     print("  compiled block:", "; ".join(line.strip() for line in report.splitlines() if "fused" in line)[:600])
     names = ["y", "dx"] + [n for n, _ in block.named_parameters()]
     worst = max((rel(a, b), n) for a, b, n in zip(fused, eager, names))
-    print(f"  compiled block (clamp at {block.experts.swiglu_limit}) vs eager bf16: worst rel. error {worst[0]:.1e} ({worst[1]})")
+    print(f"  compiled block (clamp at {block.experts.swiglu_limit}, alpha {alpha}) vs eager bf16: "
+          f"worst rel. error {worst[0]:.1e} ({worst[1]})")
 
 
 if __name__ == "__main__":

@@ -77,6 +77,8 @@ class GraphReport:
                 shape += f" I={m['intermediate']}"
             if m.get("swiglu_limit") is not None:
                 shape += f" swiglu_limit={m['swiglu_limit']}"
+            if m.get("glu_alpha") is not None:
+                shape += f" glu_alpha={m['glu_alpha']}"
             lines.append(f"  fused    {m['pattern']:<22} {shape} {m['dtype']:<8} "
                          f"verified={m['verified']} nodes={m['nodes_replaced']} at {m['where']}")
             lines.extend(f"           note: {note}" for note in m.get("notes", ()))

@@ -83,10 +83,20 @@ def clamp_gate_up(gate, up, limit: float | None):
     return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
 
 
-def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, swiglu_limit: float | None = None):
+def glu(gate, up, alpha: float | None):
+    """silu(gate) * up, or with ``alpha`` the GPT-OSS-style gate (MiniMax-M3-VL, GPT-OSS):
+    gate * sigmoid(gate * alpha) * (up + 1), spelled as transformers spells it."""
+    if alpha is None:
+        return F.silu(gate) * up
+    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
+
+
+def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, swiglu_limit: float | None = None,
+                    glu_alpha: float | None = None):
     """y[t] = sum_j weights[t,j] * W_down[e] (silu(W_gate[e] x[t]) * W_up[e] x[t]),  e = ids[t,j].
 
     swiglu_limit L: gate and up are clamped first (gate at max L, up to [-L, L]), as transformers does.
+    glu_alpha: the gated activation is ``glu(gate, up, glu_alpha)``.
 
     Rounds like transformers' grouped_mm path: each GEMM in the weights' dtype,
     the routing weight applied with type promotion, the sum over k, then a cast to x.dtype.
@@ -105,7 +115,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, sw
         if save_h:
             h[rows] = h_rows
         gate, up = clamp_gate_up(*h_rows.chunk(2, dim=-1), limit)
-        ys[rows] = (F.silu(gate) * up) @ w_down[e].t()
+        ys[rows] = glu(gate, up, glu_alpha) @ w_down[e].t()
     y_slots = torch.empty_like(ys)
     y_slots[order] = ys
     weighted = y_slots * weights.reshape(-1, 1)
@@ -113,7 +123,8 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, sw
     return (y, h) if save_h else y
 
 
-def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float | None = None):
+def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float | None = None,
+                     glu_alpha: float | None = None):
     """Gradients of experts_forward w.r.t. (x, weights, w_gate_up, w_down), accumulated in fp32.
 
     With swiglu_limit, a clamped gate or up value passes no gradient (eager's clamp backward: the
@@ -144,15 +155,17 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float
         h = xs[rows] @ wgu[e].t()
         raw_gate, raw_up = h.chunk(2, dim=-1)
         gate, up = clamp_gate_up(raw_gate, raw_up, limit)
-        sig = torch.sigmoid(gate)
+        alpha = 1.0 if glu_alpha is None else glu_alpha
+        sig = torch.sigmoid(gate * alpha)
         act = gate * sig
-        a = act * up
+        up_term = up if glu_alpha is None else up + 1
+        a = act * up_term
         y = a @ wd[e].t()
         dw_rows[rows] = (dys[rows] * y).sum(dim=-1)
         d_y = dys[rows] * ws[rows, None]
         d_wd[e] = d_y.t() @ a
         d_a = d_y @ wd[e]
-        d_gate = d_a * up * sig * (1 + gate * (1 - sig))
+        d_gate = d_a * up_term * sig * (1 + alpha * gate * (1 - sig))
         d_up = d_a * act
         if limit is not None:
             d_gate = d_gate * (raw_gate <= limit)

@@ -42,6 +42,8 @@ class ExpertsSpec:
     expert_parallel_sentinels: bool = False  # transformers' EP masking ops were present
     # transformers' ``swiglu_limit`` (GLM-5-Next, HY-V4, MiniMax-M3-VL): silu(gate.clamp(max=L)) * up.clamp(-L, L)
     swiglu_limit: float | None = None
+    # the GPT-OSS-style gate (MiniMax-M3-VL): gate * sigmoid(glu_alpha * gate) * (up + 1) instead of silu(gate) * up
+    glu_alpha: float | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)

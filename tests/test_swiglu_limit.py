@@ -1,5 +1,6 @@
 """transformers' clamped SwiGLU (``swiglu_limit``: GLM-5-Next, HY-V4, HY-V4-VL, DeepSeek-V4):
-silu(gate.clamp(max=L)) * up.clamp(-L, L) in every layer of moe_fuse.
+silu(gate.clamp(max=L)) * up.clamp(-L, L), and the GPT-OSS-style gate on those clamps (``swiglu_alpha``:
+MiniMax-M3-VL), gate * sigmoid(a * gate) * (up + 1), in every layer of moe_fuse.
 
 The op against a naive float64 definition with autograd (clamp's own backward: a clamped value passes
 no gradient, the bound itself does), the Triton kernels of both paths in the interpreter against the
@@ -25,14 +26,15 @@ from test_ops import random_case  # noqa: E402
 
 import moe_fuse.ops  # noqa: E402,F401
 from moe_fuse import kernels, reference  # noqa: E402
-from moe_fuse.integrations.transformers import swiglu_limit_of, unsupported_reason  # noqa: E402
+from moe_fuse.integrations.transformers import gate_args, unsupported_reason  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
 
 LIMIT = 0.6  # h ~ N(0, 1) in these cases: about half of the up values and a quarter of the gates are clamped
+ALPHA = 1.702  # GPT-OSS's and MiniMax-M3-VL's
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def naive_experts(x, ids, weights, w_gate_up, w_down, limit):
+def naive_experts(x, ids, weights, w_gate_up, w_down, limit, alpha=None):
     rows = []
     for t in range(x.shape[0]):
         acc = torch.zeros_like(x[t])
@@ -40,7 +42,8 @@ def naive_experts(x, ids, weights, w_gate_up, w_down, limit):
             e = int(ids[t, j])
             gate, up = (w_gate_up[e] @ x[t]).chunk(2)
             gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-            acc = acc + weights[t, j] * (w_down[e] @ (F.silu(gate) * up))
+            act = F.silu(gate) * up if alpha is None else gate * torch.sigmoid(gate * alpha) * (up + 1)
+            acc = acc + weights[t, j] * (w_down[e] @ act)
         rows.append(acc)
     return torch.stack(rows)
 
@@ -71,14 +74,16 @@ def clear_limit(args, dtype):
     raise AssertionError("no clear bound near LIMIT for this case")
 
 
+@pytest.mark.parametrize("alpha", [None, ALPHA], ids=["silu", "alpha_gate"])
 @pytest.mark.parametrize("save_h", [False, True])
-def test_op_matches_clamped_definition_and_its_autograd(save_h):
+def test_op_matches_clamped_definition_and_its_autograd(save_h, alpha):
     x, ids, weights, w_gate_up, w_down = random_case(k=2)
     w_gate_up = w_gate_up * 2  # h of about N(0, 4): many values on both sides of the limit
     assert 0.3 < clamped_fraction(x, ids, w_gate_up, LIMIT) < 0.9
     leaves = [t.requires_grad_() for t in (x, weights, w_gate_up, w_down)]
-    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, LIMIT)[0]
-    want = naive_experts(x, ids, weights, w_gate_up, w_down, LIMIT)
+    gate = (LIMIT,) if alpha is None else (LIMIT, alpha)
+    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, *gate)[0]
+    want = naive_experts(x, ids, weights, w_gate_up, w_down, LIMIT, alpha)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     unclamped = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h)[0]
     assert (unclamped - want).abs().max() > 0.1  # the limit changed the result: the test can fail
@@ -102,15 +107,18 @@ def test_bad_limit_is_named(bad):
     x, ids, weights, w_gate_up, w_down = random_case()
     with pytest.raises(ValueError, match="swiglu_limit must be a positive finite number"):
         torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, bad)
+    if bad != 0.0 and bad != -1.0:
+        with pytest.raises(ValueError, match="glu_alpha must be a finite number"):
+            torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, None, bad)
 
 
-def ref64(args, limit, dtype, dy=None):
+def ref64(args, limit, dtype, dy=None, alpha=None):
     cpu = [t.cpu() for t in args]
     cpu = [t.double() if t.is_floating_point() else t for t in cpu]
     lim = reference.limit_in(dtype, limit)  # the bound as h's dtype holds it, as the kernels clamp
     if dy is None:
-        return reference.experts_forward(*cpu, swiglu_limit=lim)
-    return reference.experts_backward(dy.cpu().double(), *cpu, swiglu_limit=lim)
+        return reference.experts_forward(*cpu, swiglu_limit=lim, glu_alpha=alpha)
+    return reference.experts_backward(dy.cpu().double(), *cpu, swiglu_limit=lim, glu_alpha=alpha)
 
 
 KERNEL_CASES = {
@@ -128,8 +136,9 @@ def check(got, want, tol, what):
         assert err < tol, f"{name}: rel. error {err:.2e} >= {tol:.0e}"
 
 
+@pytest.mark.parametrize("alpha", [None, ALPHA], ids=["silu", "alpha_gate"])
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
-def test_triton_kernels_match_reference(name, monkeypatch):
+def test_triton_kernels_match_reference(name, alpha, monkeypatch):
     """The all-Triton path: gate_up's SwiGLU epilogue, the dSwiGLU pass (h kept) and the dgrad epilogue
     (h recomputed, as in checkpointed layers)."""
     T, k, E, H, I, dtype, mode = KERNEL_CASES[name]
@@ -137,13 +146,14 @@ def test_triton_kernels_match_reference(name, monkeypatch):
     limit = clear_limit(args, dtype)
     assert clamped_fraction(args[0], args[1].clamp(max=E - 1), args[3], limit) > 0.3
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    gate = {"swiglu_limit": limit, "glu_alpha": alpha}
     with poisoned_buffers(monkeypatch):
-        y = kernels.experts_forward(*args, swiglu_limit=limit)
-        _, h, routing = kernels.experts_forward(*args, save_h=True, swiglu_limit=limit)
-        saved = kernels.experts_backward(dy, *args, h, routing=routing, swiglu_limit=limit)
-        recomputed = kernels.experts_backward(dy, *args, swiglu_limit=limit)
-    check([y], [ref64(args, limit, args[3].dtype)], TOL[dtype], ["y"])
-    want = ref64(args, limit, args[3].dtype, dy)
+        y = kernels.experts_forward(*args, **gate)
+        _, h, routing = kernels.experts_forward(*args, save_h=True, **gate)
+        saved = kernels.experts_backward(dy, *args, h, routing=routing, **gate)
+        recomputed = kernels.experts_backward(dy, *args, **gate)
+    check([y], [ref64(args, limit, args[3].dtype, alpha=alpha)], TOL[dtype], ["y"])
+    want = ref64(args, limit, args[3].dtype, dy, alpha=alpha)
     names = ("dx", "d_weights", "d_w_gate_up", "d_w_down")
     check(saved, want, TOL[dtype], names)
     check(recomputed, want, TOL[dtype], names)
@@ -151,8 +161,9 @@ def test_triton_kernels_match_reference(name, monkeypatch):
     assert rel_err(unclamped[2].cpu(), want[2]) > 10 * TOL[dtype]  # the limit matters in this case
 
 
+@pytest.mark.parametrize("alpha", [None, ALPHA], ids=["silu", "alpha_gate"])
 @pytest.mark.parametrize("name", ["uneven_fp32", "uneven_bf16"])
-def test_grouped_mm_path_matches_reference(name, monkeypatch):
+def test_grouped_mm_path_matches_reference(name, alpha, monkeypatch):
     """The training path on sm90 (torch._grouped_mm, the SwiGLU and dSwiGLU passes); on CPU torch's
     grouped GEMM fallback and the interpreter."""
     monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)
@@ -160,14 +171,13 @@ def test_grouped_mm_path_matches_reference(name, monkeypatch):
     args = make_case(T, k, E, H, I, dtype, mode, seed=len(name))
     limit = clear_limit(args, dtype)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    gate = {"swiglu_limit": limit, "glu_alpha": alpha}
     with poisoned_buffers(monkeypatch):
-        y, h, routing, xs, aw = grouped_mm_path.experts_forward(
-            *args, save_h=True, keep_rows=True, swiglu_limit=limit
-        )
-        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, swiglu_limit=limit)
-        recomputed = grouped_mm_path.experts_backward(dy, *args, swiglu_limit=limit)
-    check([y], [ref64(args, limit, args[3].dtype)], TOL[dtype], ["y"])
-    want = ref64(args, limit, args[3].dtype, dy)
+        y, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True, **gate)
+        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, **gate)
+        recomputed = grouped_mm_path.experts_backward(dy, *args, **gate)
+    check([y], [ref64(args, limit, args[3].dtype, alpha=alpha)], TOL[dtype], ["y"])
+    want = ref64(args, limit, args[3].dtype, dy, alpha=alpha)
     names = ("dx", "d_weights", "d_w_gate_up", "d_w_down")
     check(kept, want, TOL[dtype], names)
     for a, b in zip(kept, recomputed):
@@ -210,7 +220,7 @@ def test_clamped_family_is_fused_with_its_limit(name, blocks, tmp_path):
     ]:
         assert families.rel_err(a, b) < families.TOLERANCE, what
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    assert experts and all(swiglu_limit_of(m) == 0.05 and unsupported_reason(m) is None for m in experts)
+    assert experts and all(gate_args(m) == (0.05,) and unsupported_reason(m) is None for m in experts)
 
 
 def test_a_gate_that_only_looks_clamped_is_left_alone(tmp_path, monkeypatch):
@@ -228,14 +238,36 @@ def test_a_gate_that_only_looks_clamped_is_left_alone(tmp_path, monkeypatch):
     assert reasons and all("is read by mul; expected one clamp" in r for r in reasons), reasons
     assert families.rel_err(fused[0], eager[0]) < families.TOLERANCE
     experts = [m for m in model.modules() if type(m).__name__ == "HYV4Experts"]
-    assert all(swiglu_limit_of(m) is None and "custom gating function" in unsupported_reason(m) for m in experts)
+    assert all(gate_args(m) is None and "custom gating function" in unsupported_reason(m) for m in experts)
 
 
-def test_minimax_alpha_gate_is_not_taken_for_a_clamped_swiglu():
-    model, _ = families.build("minimax_m3_vl")
+def test_minimax_alpha_gate_is_fused_with_its_constants(tmp_path):
+    model, eager, fused, reports = run("minimax_m3_vl", tmp_path, swiglu_limit=0.05)
+    matches = experts_entries(reports, "matches")
+    assert len(matches) == 2 and all((m["swiglu_limit"], m["glu_alpha"]) == (0.05, ALPHA) for m in matches), matches
+    for what, a, b in [("loss", fused[0], eager[0])] + [(f"grad {n}", fused[3][n], g) for n, g in eager[3].items()]:
+        assert families.rel_err(a, b) < families.TOLERANCE, what
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    assert experts and all(swiglu_limit_of(m) is None for m in experts)
-    assert all("custom gating function" in unsupported_reason(m) for m in experts)
+    assert experts and all(gate_args(m) == (0.05, ALPHA) and unsupported_reason(m) is None for m in experts)
+
+
+def test_an_alpha_gate_with_another_shift_is_left_alone(tmp_path, monkeypatch):
+    """(up + 2) instead of (up + 1): no match, the reason says so, results unchanged; the probe refuses it too."""
+    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as mm
+
+    def shifted(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        return (up + 2.0) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
+
+    monkeypatch.setattr(mm.MiniMaxM3VLExperts, "_apply_gate", shifted)
+    model, eager, fused, reports = run("minimax_m3_vl", tmp_path, swiglu_limit=0.05)
+    assert not experts_entries(reports, "matches")
+    reasons = [r["reason"] for r in experts_entries(reports, "rejected")]
+    assert reasons and all("expected up + 1" in r for r in reasons), reasons
+    assert families.rel_err(fused[0], eager[0]) < families.TOLERANCE
+    experts = [m for m in model.modules() if type(m).__name__ == "MiniMaxM3VLExperts"]
+    assert experts and all(gate_args(m) is None for m in experts)
 
 
 def test_checkpointed_layers_keep_the_limit_and_recompute_h(tmp_path):

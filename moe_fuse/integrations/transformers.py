@@ -7,8 +7,8 @@
 registers a forward ``(self, hidden_states, top_k_index, top_k_weights) -> Tensor``
 in transformers' ``ALL_EXPERTS_FUNCTIONS``. On an experts module with the
 standard layout (gate_up [E, 2I, H] with the gate rows first, down [E, H, I], no
-bias, not transposed, silu, no post-expert norm, transformers' own gating or its clamped SwiGLU
-(``swiglu_limit``)) it is
+bias, not transposed, silu, no post-expert norm, transformers' own gating, its clamped SwiGLU
+(``swiglu_limit``) or the GPT-OSS-style gate on those clamps (``swiglu_alpha``)) it is
 one ``torch.ops.moe_fuse.experts`` call, forward and backward. Any other module
 runs transformers' ``grouped_mm`` forward instead, with a warning (once per
 module class and reason) that says why.
@@ -47,7 +47,7 @@ def unsupported_reason(module) -> str | None:
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert"
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        if swiglu_limit_of(module) is None:
+        if gate_args(module) is None:
             return f"a custom gating function ({type(module).__name__}._apply_gate)"
     elif not _is_silu(getattr(module, "act_fn", None)):
         return f"activation {type(getattr(module, 'act_fn', None)).__name__}, not silu"
@@ -62,36 +62,49 @@ def unsupported_reason(module) -> str | None:
     return None
 
 
-_LIMIT_GATES: dict = {}
+_PROVEN_GATES: dict = {}
 
 
-def swiglu_limit_of(module) -> float | None:
-    """L when ``module._apply_gate`` is transformers' clamped SwiGLU, silu(gate.clamp(max=L)) * up.clamp(-L, L)
-    (GLM-5-Next, HY-V4, DeepSeek-V4: the bound in ``swiglu_limit`` or ``limit``), else None.
+def _number(value) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < float("inf")
+    return float(value) if ok else None
 
-    Proved on a probe with values past the bound, once per class, gate function and bound: a gate that only looks like it
-    (MiniMax-M3-VL's GPT-OSS-style alpha gate, say) does not pass.
+
+def gate_args(module) -> tuple | None:
+    """The op's gate arguments for ``module._apply_gate``, proved on a probe; None when it is none of these:
+
+    - ``(L,)``: transformers' clamped SwiGLU, silu(gate.clamp(max=L)) * up.clamp(-L, L) (GLM-5-Next, HY-V4,
+      DeepSeek-V4: the bound in ``swiglu_limit`` or ``limit``);
+    - ``(L, a)``: the GPT-OSS-style gate after those clamps, gate * sigmoid(a * gate) * (up + 1)
+      (MiniMax-M3-VL: ``swiglu_alpha``).
+
+    The probe has values past the bound; it runs once per class, gate function and constants (a re-bound
+    gate is proved again). A gate that only looks like one of these does not pass.
     """
-    from ..reference import clamp_gate_up
+    from ..reference import clamp_gate_up, glu
 
-    limit = getattr(module, "swiglu_limit", None)
-    limit = getattr(module, "limit", None) if limit is None else limit
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
+    limit = _number(getattr(module, "swiglu_limit", None))
+    limit = _number(getattr(module, "limit", None)) if limit is None else limit
+    if limit is None or limit <= 0:
         return None
-    key = (type(module), getattr(type(module), "_apply_gate", None), float(limit))  # a re-bound gate is proved again
-    if key not in _LIMIT_GATES:
+    alpha = _number(getattr(module, "swiglu_alpha", None))
+    key = (type(module), getattr(type(module), "_apply_gate", None), limit, alpha)
+    if key not in _PROVEN_GATES:
         gen = torch.Generator().manual_seed(0)
         probe = torch.randn(64, 16, generator=gen, dtype=torch.float64) * (2 * limit)
         try:
             got = module._apply_gate(probe)
         except Exception:  # a gate that cannot run on a float64 CPU probe is no proven match
             got = None
-        gate, up = clamp_gate_up(*probe.chunk(2, dim=-1), float(limit))
-        want = F.silu(gate) * up
-        _LIMIT_GATES[key] = isinstance(got, torch.Tensor) and got.shape == want.shape and bool(
-            torch.allclose(got, want, rtol=1e-12, atol=0)
-        )
-    return float(limit) if _LIMIT_GATES[key] else None
+        gate, up = clamp_gate_up(*probe.chunk(2, dim=-1), limit)
+        _PROVEN_GATES[key] = None
+        for args, want in (((limit,), glu(gate, up, None)), ((limit, alpha), glu(gate, up, alpha))):
+            if args[-1] is None or not isinstance(got, torch.Tensor) or got.shape != want.shape:
+                continue
+            if bool(torch.allclose(got, want, rtol=1e-12, atol=0)):
+                _PROVEN_GATES[key] = args
+                break
+    return _PROVEN_GATES[key]
 
 
 def _warn_once(module, reason: str):
@@ -119,8 +132,7 @@ def moe_fuse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: tor
     args = (hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
     # Keep h for the backward only when there will be one (the op's docstring says why).
     save_h = torch.is_grad_enabled() and any(t.requires_grad for t in args)
-    limit = swiglu_limit_of(self)
-    return torch.ops.moe_fuse.experts(*args, save_h, *(() if limit is None else (limit,)))[0]
+    return torch.ops.moe_fuse.experts(*args, save_h, *(gate_args(self) or ()))[0]
 
 
 def register_experts_implementation(name: str = NAME) -> str:

@@ -80,6 +80,7 @@ def _dgrad_kernel(
     stride_wdh,
     stride_wdi,
     limit,  # swiglu_limit in the weights' dtype (LIMITED)
+    alpha,  # glu_alpha (ALPHA_GATE)
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -88,6 +89,7 @@ def _dgrad_kernel(
     E_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) before SwiGLU
+    ALPHA_GATE: tl.constexpr,  # gate * sigmoid(alpha * gate) * (up + 1) instead of silu(gate) * up
     USE_TMA: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -186,12 +188,21 @@ def _dgrad_kernel(
         u_in = (acc_u >= -limit) & (acc_u <= limit)
         acc_g = tl.minimum(acc_g, limit, propagate_nan=tl.PropagateNan.ALL)
         acc_u = tl.minimum(tl.maximum(acc_u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
-    sig = tl.sigmoid(acc_g)
-    act = acc_g * sig  # silu(gate)
-    a = act * acc_u
+    if ALPHA_GATE:
+        sig = tl.sigmoid(alpha * acc_g)
+        act = acc_g * sig
+        up_term = acc_u + 1.0
+    else:
+        sig = tl.sigmoid(acc_g)
+        act = acc_g * sig  # silu(gate)
+        up_term = acc_u
+    a = act * up_term
     partial = tl.sum(tl.where(n_in, acc_d * a, 0.0), axis=1)
     d_a = rw * acc_d
-    d_gate = d_a * acc_u * sig * (1.0 + acc_g * (1.0 - sig))
+    if ALPHA_GATE:
+        d_gate = d_a * up_term * sig * (1.0 + alpha * acc_g * (1.0 - sig))
+    else:
+        d_gate = d_a * acc_u * sig * (1.0 + acc_g * (1.0 - sig))
     d_up = d_a * act
     if LIMITED:
         d_gate = tl.where(g_in, d_gate, 0.0)
@@ -308,7 +319,9 @@ def _dswiglu_kernel(
     I,
     E,
     limit,  # swiglu_limit in h's dtype (LIMITED)
+    alpha,  # glu_alpha (ALPHA_GATE)
     LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) before SwiGLU
+    ALPHA_GATE: tl.constexpr,  # gate * sigmoid(alpha * gate) * (up + 1) instead of silu(gate) * up
     WRITE_AW: tl.constexpr,  # False: the forward kept aw (grouped_mm_path), skip the [S, I] store
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
@@ -336,12 +349,21 @@ def _dswiglu_kernel(
             u_in = (up >= -limit) & (up <= limit)
             gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
             up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
-        sig = tl.sigmoid(gate)
-        act = gate * sig  # silu(gate)
-        a = act * up
+        if ALPHA_GATE:
+            sig = tl.sigmoid(alpha * gate)
+            act = gate * sig
+            up_term = up + 1.0
+        else:
+            sig = tl.sigmoid(gate)
+            act = gate * sig  # silu(gate)
+            up_term = up
+        a = act * up_term
         dw += tl.sum(g * a, axis=1)
         d_a = w * g
-        d_gate = d_a * up * sig * (1.0 + gate * (1.0 - sig))
+        if ALPHA_GATE:
+            d_gate = d_a * up_term * sig * (1.0 + alpha * gate * (1.0 - sig))
+        else:
+            d_gate = d_a * up * sig * (1.0 + gate * (1.0 - sig))
         d_up = d_a * act
         if LIMITED:
             d_gate = tl.where(g_in, d_gate, 0.0)
@@ -613,7 +635,7 @@ def _wgrad_config(S: int, E: int, dtype: torch.dtype, kind: str) -> GemmConfig:
 
 
 def dgrad_saved(dy, routing: Routing, rw, h, w_down, top_k: int, weights_dtype, *, config: GemmConfig | None = None,
-                swiglu_limit: float | None = None):
+                swiglu_limit: float | None = None, glu_alpha: float | None = None):
     """(d_h [S, 2I], aw [S, I], d_weights [S] by row): the dgrad when the forward kept h [S, 2I].
 
     Two launches: the GEMM g = dy[tok] @ W_down[e] ([S, I], weights' dtype), then the dSwiGLU pass.
@@ -650,15 +672,16 @@ def dgrad_saved(dy, routing: Routing, rw, h, w_down, top_k: int, weights_dtype, 
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return dswiglu(g, h, rw, routing, weights_dtype, swiglu_limit=swiglu_limit)
+    return dswiglu(g, h, rw, routing, weights_dtype, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha)
 
 
-def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True, swiglu_limit: float | None = None):
+def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True, swiglu_limit: float | None = None,
+            glu_alpha: float | None = None):
     """(d_h [S, 2I], aw [S, I] or None, d_weights [S] by row) from g = dy[tok] @ W_down[e] and the saved h,
     sorted order. write_aw False: aw is not computed (None), for a caller that kept the forward's.
 
     Rows past offsets[E] (sentinels): d_weights 0, d_h and aw not written. swiglu_limit: the forward clamped
-    gate and up (``reference.clamp_gate_up``).
+    gate and up (``reference.clamp_gate_up``); glu_alpha: its gate was ``reference.glu``'s with that alpha.
     """
     S, I = g.shape
     limit = limit_in(h.dtype, swiglu_limit)
@@ -670,14 +693,15 @@ def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True,
     block_i = 32 if interpreting() else 256
     _dswiglu_kernel[(cdiv(S, block_r),)](
         g, h, rw, routing.order, routing.offsets, dh, aw if write_aw else dh, d_weights, S, I,
-        routing.counts.numel(), 0.0 if limit is None else limit, LIMITED=limit is not None, WRITE_AW=write_aw,
+        routing.counts.numel(), 0.0 if limit is None else limit, 1.0 if glu_alpha is None else float(glu_alpha),
+        LIMITED=limit is not None, ALPHA_GATE=glu_alpha is not None, WRITE_AW=write_aw,
         BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
     )
     return dh, aw, d_weights
 
 
 def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config: GemmConfig | None = None,
-          swiglu_limit: float | None = None):
+          swiglu_limit: float | None = None, glu_alpha: float | None = None):
     """(d_h [S, 2I], aw [S, I], partials [n_tiles, S] fp32), all in sorted order; see the module docstring.
 
     dy [T, H] contiguous, rw [S] the routing weights by row (contiguous); h is recomputed from x.
@@ -721,6 +745,7 @@ def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config:
         *w_gate_up.stride(),
         *w_down.stride(),
         0.0 if limit is None else limit,
+        1.0 if glu_alpha is None else float(glu_alpha),
         TOP_K=top_k,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -729,6 +754,7 @@ def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config:
         E_P2=next_power_of_2(E),
         EVEN_K=H % cfg.block_k == 0,
         LIMITED=limit is not None,
+        ALPHA_GATE=glu_alpha is not None,
         USE_TMA=use_tma,
         INTERPRET=interpreting(),
         DOT_PRECISION=_dot_precision(w_gate_up.dtype),
@@ -846,7 +872,7 @@ def d_weights_by_row(part, routing: Routing, num_experts: int, out_dtype):
 
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: BackwardConfig | None = None,
-                     routing: Routing | None = None, swiglu_limit: float | None = None):
+                     routing: Routing | None = None, swiglu_limit: float | None = None, glu_alpha: float | None = None):
     """(dx, d_weights, d_w_gate_up, d_w_down): the semantics and dtypes of ``reference.experts_backward``.
 
     dy [T, H] (any strides, stride 0 included), x [T, H], ids [T, k] (ids >= E: expert-parallel
@@ -878,11 +904,12 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
         routing = route(ids, E)
 
     if h is None:
-        dh, aw, part = dgrad(dy, x, routing, rw, w_gate_up, w_down, k, config=cfg.dgrad, swiglu_limit=swiglu_limit)
+        dh, aw, part = dgrad(dy, x, routing, rw, w_gate_up, w_down, k, config=cfg.dgrad, swiglu_limit=swiglu_limit,
+                             glu_alpha=glu_alpha)
         d_weights = d_weights_by_row(part, routing, E, weights.dtype)
     else:
         dh, aw, d_weights = dgrad_saved(
-            dy, routing, rw, h, w_down, k, weights.dtype, config=cfg.dgrad, swiglu_limit=swiglu_limit
+            dy, routing, rw, h, w_down, k, weights.dtype, config=cfg.dgrad, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha
         )
     by_load = experts_by_rows(routing)
     side = side_stream(dev) if OVERLAP_WGRAD and dev.type == "cuda" and not interpreting() else None

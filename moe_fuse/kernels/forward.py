@@ -44,7 +44,8 @@ def supports(x, ids, weights, w_gate_up, w_down) -> bool:
     return H > 0 and two_i > 0 and E > 0
 
 
-def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, swiglu_limit: float | None = None):
+def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, swiglu_limit: float | None = None,
+                    glu_alpha: float | None = None):
     """Same result as ``reference.experts_forward``; with ``save_h`` also returns (h, routing).
 
     x [T, H], ids [T, k] (expert of each slot; ids >= E are expert-parallel
@@ -57,7 +58,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     k = ids.shape[1]
     E = w_gate_up.shape[0]
     routing = route(ids, E)
-    a, h = gate_up(x, routing, w_gate_up, k, save_h=save_h, swiglu_limit=swiglu_limit)
+    a, h = gate_up(x, routing, w_gate_up, k, save_h=save_h, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha)
     # The reference multiplies the expert output (weights' dtype) by the routing
     # weight with type promotion and sums in that dtype: keep the slots there.
     slot_dtype = torch.promote_types(w_down.dtype, weights.dtype)

@@ -71,6 +71,7 @@ def _gate_up_kernel(
     stride_wn,
     stride_wh,
     limit,  # swiglu_limit in h's dtype (LIMITED)
+    alpha,  # glu_alpha (ALPHA_GATE)
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -80,6 +81,7 @@ def _gate_up_kernel(
     EVEN_K: tl.constexpr,
     SAVE_H: tl.constexpr,
     LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) before SwiGLU
+    ALPHA_GATE: tl.constexpr,  # gate * sigmoid(alpha * gate) * (up + 1) instead of silu(gate) * up
     USE_TMA: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -160,7 +162,10 @@ def _gate_up_kernel(
         acc_u = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
         acc_u = tl.minimum(tl.maximum(acc_u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
                            propagate_nan=tl.PropagateNan.ALL)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    if ALPHA_GATE:
+        act = acc_g * tl.sigmoid(alpha * acc_g) * (acc_u + 1.0)
+    else:
+        act = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(a_ptr + pos64 * I + n[None, :], act.to(a_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -311,11 +316,12 @@ def gate_up(
     *,
     save_h: bool = False,
     swiglu_limit: float | None = None,
+    glu_alpha: float | None = None,
     config: GemmConfig | None = None,
 ):
     """a [S, I] (sorted order, weights' dtype) and, if ``save_h``, h [S, 2I] = the pre-activation gate | up.
 
-    swiglu_limit: gate and up clamped first (``reference.clamp_gate_up``)."""
+    swiglu_limit: gate and up clamped first (``reference.clamp_gate_up``); glu_alpha: ``reference.glu``'s gate."""
     E, two_i, H = w_gate_up.shape
     I = two_i // 2
     S = routing.order.numel()
@@ -347,6 +353,7 @@ def gate_up(
         w_gate_up.stride(1),
         w_gate_up.stride(2),
         0.0 if limit is None else limit,
+        1.0 if glu_alpha is None else float(glu_alpha),
         TOP_K=top_k,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -356,6 +363,7 @@ def gate_up(
         EVEN_K=H % cfg.block_k == 0,
         SAVE_H=save_h,
         LIMITED=limit is not None,
+        ALPHA_GATE=glu_alpha is not None,
         USE_TMA=use_tma,
         INTERPRET=interpreting(),
         DOT_PRECISION=_dot_precision(w_gate_up.dtype),

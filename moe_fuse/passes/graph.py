@@ -39,6 +39,8 @@ def _function_names():
         torch.histc: "histc",
         torch.cumsum: "cumsum",
         F.silu: "silu",
+        torch.sigmoid: "sigmoid",
+        operator.add: "add",
         torch.empty_like: "empty_like",
         torch.arange: "arange",
         torch.reshape: "reshape",

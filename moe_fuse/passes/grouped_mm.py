@@ -146,10 +146,7 @@ def match(up_mm: fx.Node) -> Candidate:
     expect_literal(arg(chunk, 2, "dim", 0) in (-1, 1), True, "chunk over the last dim", chunk)
     gate, up = getitem_user(chunk, 0), getitem_user(chunk, 1)
     gate, up, swiglu_limit = match_swiglu_limit(gate, up)
-    act = user_of(gate, "silu")
-    glu = user_of(act, "mul")
-    if set(glu.args) != {act, up}:
-        raise NoMatch("gated activation is not silu(gate) * up", glu)
+    glu, glu_alpha = match_glu(gate, up)
     down_mm = glu
     while not is_op(down_mm, "grouped_mm"):
         down_mm = user_of(down_mm, "to", "grouped_mm", "contiguous")
@@ -191,8 +188,41 @@ def match(up_mm: fx.Node) -> Candidate:
         weights_dtype=dtype_of(weights),
         expert_parallel_sentinels=mask is not None or mask2 is not None,
         swiglu_limit=swiglu_limit,
+        glu_alpha=glu_alpha,
     )
     return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm)
+
+
+def _literal(node: fx.Node, value_of=lambda v: v):
+    """The one number among a binary op's arguments (not a bool), or None."""
+    numbers = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    return float(numbers[0]) if len(numbers) == 1 and len(node.args) == 2 else None
+
+
+def match_glu(gate: fx.Node, up: fx.Node):
+    """The gated activation after the chunk (and clamps): ``silu(gate) * up`` -> (its node, None), or the
+    GPT-OSS-style gate of MiniMax-M3-VL ``(up + 1) * (gate * sigmoid(gate * a))`` -> (its node, a)."""
+    if not any(is_op(u, "silu") for u in gate.users) and any(is_op(u, "mul") for u in gate.users):
+        scaled = [u for u in gate.users if is_op(u, "mul") and _literal(u) is not None]
+        if len(scaled) != 1:
+            raise NoMatch(f"{gate.name} is read by no silu and no gate * alpha", gate)
+        alpha = _literal(scaled[0])
+        sig = user_of(scaled[0], "sigmoid")
+        act = user_of(sig, "mul")
+        if set(act.args) != {gate, sig}:
+            raise NoMatch("gate activation is not gate * sigmoid(gate * alpha)", act)
+        plus = user_of(up, "add")
+        if _literal(plus) != 1.0:
+            raise NoMatch(f"up is shifted by {plus.args}, expected up + 1", plus)
+        glu = user_of(act, "mul")
+        if set(glu.args) != {act, plus}:
+            raise NoMatch("gated activation is not (up + 1) * (gate * sigmoid(gate * alpha))", glu)
+        return glu, alpha
+    act = user_of(gate, "silu")
+    glu = user_of(act, "mul")
+    if set(glu.args) != {act, up}:
+        raise NoMatch("gated activation is not silu(gate) * up", glu)
+    return glu, None
 
 
 def _clamp_bounds(node: fx.Node):
@@ -232,13 +262,14 @@ def experts_candidate(pattern: str, spec: ExpertsSpec, inputs, out: fx.Node, anc
     AOTAutograd decides it: grad mode on and an input that requires grad. Shared by the experts patterns.
     """
     save_h = torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False) for n in inputs)
-    limit = getattr(spec, "swiglu_limit", None)
+    limit, alpha = getattr(spec, "swiglu_limit", None), getattr(spec, "glu_alpha", None)
+    gate = () if limit is None and alpha is None else (limit,) if alpha is None else (limit, alpha)
     return Candidate(
         pattern=pattern,
         spec=spec,
         region=collect_region(list(inputs), [out]),
         op=torch.ops.moe_fuse.experts.default,
-        op_args=(*inputs, save_h) if limit is None else (*inputs, save_h, limit),
+        op_args=(*inputs, save_h, *gate),
         output_index=[0],
         input_kinds=["hidden", "expert_ids", "routing_weights", "param", "param"],
         anchor=anchor,
