@@ -36,6 +36,13 @@ def _check(rank: int, world: int):
         shard_experts(odd)
     assert odd.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 5
 
+    # An experts module the EP path would compute wrongly (here another activation): a clear error, nothing changed.
+    gelu = qwen3_moe()
+    gelu.model.layers[1].mlp.experts.act_fn = torch.nn.GELU()
+    with pytest.raises(ValueError, match=r"activation GELU, not silu.*nothing was sharded"):
+        shard_experts(gelu)
+    assert gelu.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 6
+
     _check_edge_splits(rank, world)
 
     model = shard_experts(qwen3_moe())

@@ -67,6 +67,19 @@ def _is_experts_module(module: torch.nn.Module) -> bool:
     )
 
 
+def _not_computed(module: torch.nn.Module) -> str | None:
+    """What a transformers experts module computes that the expert-parallel experts (plain SwiGLU over
+    [E, 2I, H] and [E, H, I]) would not: a custom or clamped gate, another activation, ...; None if nothing."""
+    if not hasattr(module, "has_gate"):  # not transformers' experts interface: the shape checks are all there is
+        return None
+    from ..integrations.transformers import gate_args, unsupported_reason
+
+    reason = unsupported_reason(module)
+    if reason is None and gate_args(module):
+        reason = "a clamped gate (swiglu_limit), which the expert-parallel path does not take yet"
+    return reason
+
+
 def shard_experts(
     model: torch.nn.Module, group: dist.ProcessGroup | None = None, chunks: int | None = None
 ) -> torch.nn.Module:
@@ -75,13 +88,18 @@ def shard_experts(
     Rank r keeps experts [r*E/W, (r+1)*E/W) as new parameters and runs the all-to-all forward described
     in the module docstring. ``chunks=N`` pipelines it over N groups of local experts (``overlap.py``);
     None (the default) is the unchunked path. Raises ValueError when E is not a multiple of the group
-    size or N is not in [1, E/W]. Returns ``model``.
+    size or N is not in [1, E/W], or when an experts module computes something else than SwiGLU experts
+    (a custom or clamped gate, another activation). Returns ``model``.
     """
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     targets = [m for m in model.modules() if _is_experts_module(m) and not hasattr(m, "_moe_fuse_ep")]
     for module in targets:  # validate all before changing any
+        reason = _not_computed(module)
+        if reason is not None:
+            raise ValueError(f"shard_experts: {type(module).__name__} has {reason}, which the expert-parallel "
+                             "experts do not compute; nothing was sharded")
         E = module.gate_up_proj.shape[0]
         if E % world:
             raise ValueError(

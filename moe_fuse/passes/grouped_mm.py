@@ -193,7 +193,7 @@ def match(up_mm: fx.Node) -> Candidate:
     return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm)
 
 
-def _literal(node: fx.Node, value_of=lambda v: v):
+def _literal(node: fx.Node):
     """The one number among a binary op's arguments (not a bool), or None."""
     numbers = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
     return float(numbers[0]) if len(numbers) == 1 and len(node.args) == 2 else None
