@@ -76,7 +76,8 @@ def gate_args(module) -> tuple | None:
     - ``(L,)``: transformers' clamped SwiGLU, silu(gate.clamp(max=L)) * up.clamp(-L, L) (GLM-5-Next, HY-V4,
       DeepSeek-V4: the bound in ``swiglu_limit`` or ``limit``);
     - ``(L, a)``: the GPT-OSS-style gate after those clamps, gate * sigmoid(a * gate) * (up + 1)
-      (MiniMax-M3-VL: ``swiglu_alpha``).
+      (MiniMax-M3-VL: ``swiglu_alpha``);
+    - ``()``: plain silu(gate) * up, computed in fp32 and cast back (Beam), what the kernels compute anyway.
 
     The probe has values past the bound; it runs once per class, gate function and constants (a re-bound
     gate is proved again). A gate that only looks like one of these does not pass.
@@ -85,23 +86,28 @@ def gate_args(module) -> tuple | None:
 
     limit = _number(getattr(module, "swiglu_limit", None))
     limit = _number(getattr(module, "limit", None)) if limit is None else limit
-    if limit is None or limit <= 0:
-        return None
+    limit = limit if limit is not None and limit > 0 else None
     alpha = _number(getattr(module, "swiglu_alpha", None))
     key = (type(module), getattr(type(module), "_apply_gate", None), limit, alpha)
     if key not in _PROVEN_GATES:
+        # float32: a gate that upcasts computes in float32 whatever it is given (Beam's .float())
         gen = torch.Generator().manual_seed(0)
-        probe = torch.randn(64, 16, generator=gen, dtype=torch.float64) * (2 * limit)
+        probe = torch.randn(64, 16, generator=gen) * (2 * (limit or 1.0))
         try:
             got = module._apply_gate(probe)
-        except Exception:  # a gate that cannot run on a float64 CPU probe is no proven match
+        except Exception:  # a gate that cannot run on a float32 CPU probe is no proven match
             got = None
-        gate, up = clamp_gate_up(*probe.chunk(2, dim=-1), limit)
+        candidates = [((), glu(*probe.chunk(2, dim=-1), None))]
+        if limit is not None:
+            gate, up = clamp_gate_up(*probe.chunk(2, dim=-1), limit)
+            candidates += [((limit,), glu(gate, up, None))]
+            if alpha is not None:
+                candidates += [((limit, alpha), glu(gate, up, alpha))]
         _PROVEN_GATES[key] = None
-        for args, want in (((limit,), glu(gate, up, None)), ((limit, alpha), glu(gate, up, alpha))):
-            if args[-1] is None or not isinstance(got, torch.Tensor) or got.shape != want.shape:
-                continue
-            if bool(torch.allclose(got, want, rtol=1e-12, atol=0)):
+        for args, want in candidates:
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype and bool(
+                torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+            ):
                 _PROVEN_GATES[key] = args
                 break
     return _PROVEN_GATES[key]

@@ -218,11 +218,25 @@ def match_glu(gate: fx.Node, up: fx.Node):
         if set(glu.args) != {act, plus}:
             raise NoMatch("gated activation is not (up + 1) * (gate * sigmoid(gate * alpha))", glu)
         return glu, alpha
+    gate, up = _through_upcast(gate), _through_upcast(up)  # Beam: silu(gate.float()) * up.float(), cast back
     act = user_of(gate, "silu")
     glu = user_of(act, "mul")
     if set(glu.args) != {act, up}:
         raise NoMatch("gated activation is not silu(gate) * up", glu)
     return glu, None
+
+
+def _through_upcast(node: fx.Node) -> fx.Node:
+    """``node.float()`` / ``node.to(torch.float32)`` when that is all that reads ``node``, else ``node``.
+
+    SwiGLU computed in fp32 and rounded once afterwards is what the kernels compute anyway (the cast back
+    to the GEMM dtype is skipped on the way to the down GEMM)."""
+    if len(node.users) != 1:
+        return node
+    (user,) = node.users
+    if is_op(user, "float") or (is_op(user, "to") and torch.float32 in (*user.args[1:], *user.kwargs.values())):
+        return user
+    return node
 
 
 def _clamp_bounds(node: fx.Node):
