@@ -7,7 +7,9 @@
     h = grouped_mm(xs, W_gate_up.transpose(-2, -1), offs)   # _grouped_mm, F.grouped_mm or
     [h = h.masked_fill(mask, 0)]                             # transformers::grouped_mm_fallback
     gate, up = h.chunk(2, dim=-1)
-    ys = grouped_mm(silu(gate) * up, W_down.transpose(-2, -1), offs)
+    [gate, up = gate.clamp(max=L), up.clamp(-L, L)]         # swiglu_limit
+    act = silu(gate) * up                                    # or in fp32 and cast back; or (up + 1) * (gate * sigmoid(gate * a))
+    ys = grouped_mm(act, W_down.transpose(-2, -1), offs)
     [ys = ys.masked_fill(mask, 0)]
     out = ys * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
     inv = empty_like(perm); inv[perm] = arange(S)
@@ -245,8 +247,8 @@ def _clamp_bounds(node: fx.Node):
 
 
 def match_swiglu_limit(gate: fx.Node, up: fx.Node):
-    """transformers' ``swiglu_limit`` (GLM-5-Next, HY-V4, MiniMax-M3-VL): ``gate.clamp(max=L)`` and
-    ``up.clamp(min=-L, max=L)`` between the chunk and ``silu(gate) * up``.
+    """transformers' ``swiglu_limit`` (DeepSeek-V4, GLM-5-Next, HY-V4, MiniMax-M3-VL): ``gate.clamp(max=L)``
+    and ``up.clamp(min=-L, max=L)`` between the chunk and the gated activation (``match_glu``).
 
     Returns (gate, up, L) with gate and up the clamped nodes, or the inputs and None when neither half
     is clamped. Any other clamp (one half only, other bounds, a bound that is not a number) is no match.
@@ -272,8 +274,9 @@ def match_swiglu_limit(gate: fx.Node, up: fx.Node):
 def experts_candidate(pattern: str, spec: ExpertsSpec, inputs, out: fx.Node, anchor: fx.Node, notes=()) -> Candidate:
     """The region from ``inputs`` (x, ids, weights, W_gate_up, W_down) to ``out`` as one ``moe_fuse.experts`` call.
 
-    The call keeps h for the backward (its last argument) when the graph is traced for training, as
-    AOTAutograd decides it: grad mode on and an input that requires grad. Shared by the experts patterns.
+    The call keeps h for the backward (its sixth argument, ``save_h``) when the graph is traced for training,
+    as AOTAutograd decides it: grad mode on and an input that requires grad. The spec's gate (swiglu_limit,
+    glu_alpha) follows it when there is one. Shared by the experts patterns.
     """
     save_h = torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False) for n in inputs)
     limit, alpha = getattr(spec, "swiglu_limit", None), getattr(spec, "glu_alpha", None)
