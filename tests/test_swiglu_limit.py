@@ -187,8 +187,10 @@ def test_grouped_mm_path_matches_reference(name, alpha, monkeypatch):
 # --------------------------------------------------------------------------- pattern and whole models
 
 
-def run(name, tmp_path, **overrides):
-    model, inputs = families.build(name, **overrides)
+def compare(model, inputs, tmp_path):
+    """(eager, fused, reports): one training step eagerly and through backend="moe_fuse" (aot_eager inside)."""
+    import json
+
     eager = families.loss_and_grads(model, inputs)
     torch._dynamo.reset()
     options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path)}
@@ -196,10 +198,21 @@ def run(name, tmp_path, **overrides):
         fused = families.loss_and_grads(torch.compile(model, backend="moe_fuse", options=options), inputs)
     finally:
         torch._dynamo.reset()
-    import json
-
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("graph_*/report.json"))]
-    return model, eager, fused, reports
+    return eager, fused, reports
+
+
+def run(name, tmp_path, **overrides):
+    model, inputs = families.build(name, **overrides)
+    return (model, *compare(model, inputs, tmp_path))
+
+
+def assert_same_step(eager, fused, output=False):
+    """Loss (and the output), and every parameter gradient, within the families' tolerance of eager's."""
+    pairs = [("loss", fused[0], eager[0])] + ([("output", fused[1], eager[1])] if output else [])
+    pairs += [(f"grad {n}", fused[3][n], g) for n, g in eager[3].items()]
+    for what, a, b in pairs:
+        assert families.rel_err(a, b) < families.TOLERANCE, what
 
 
 def experts_entries(reports, key):
@@ -215,10 +228,7 @@ def test_clamped_family_is_fused_with_its_limit(name, blocks, tmp_path):
     assert len(matches) == blocks and all(m["swiglu_limit"] == 0.05 for m in matches), matches
     after = "".join(p.read_text() for p in tmp_path.glob("graph_*/after.py"))
     assert "torch.ops.moe_fuse.experts.default(" in after and ", 0.05)" in after
-    for what, a, b in [("loss", fused[0], eager[0]), ("output", fused[1], eager[1])] + [
-        (f"grad {n}", fused[3][n], g) for n, g in eager[3].items()
-    ]:
-        assert families.rel_err(a, b) < families.TOLERANCE, what
+    assert_same_step(eager, fused, output=True)
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
     assert experts and all(gate_args(m) == (0.05,) and unsupported_reason(m) is None for m in experts)
 
@@ -245,8 +255,7 @@ def test_minimax_alpha_gate_is_fused_with_its_constants(tmp_path):
     model, eager, fused, reports = run("minimax_m3_vl", tmp_path, swiglu_limit=0.05)
     matches = experts_entries(reports, "matches")
     assert len(matches) == 2 and all((m["swiglu_limit"], m["glu_alpha"]) == (0.05, ALPHA) for m in matches), matches
-    for what, a, b in [("loss", fused[0], eager[0])] + [(f"grad {n}", fused[3][n], g) for n, g in eager[3].items()]:
-        assert families.rel_err(a, b) < families.TOLERANCE, what
+    assert_same_step(eager, fused)
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
     assert experts and all(gate_args(m) == (0.05, ALPHA) and unsupported_reason(m) is None for m in experts)
 
@@ -278,18 +287,11 @@ def test_checkpointed_layers_keep_the_limit_and_recompute_h(tmp_path):
     model, inputs = families.build("hy_v4", swiglu_limit=0.05, output_router_logits=False)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    eager = families.loss_and_grads(model, inputs)
-    torch._dynamo.reset()
-    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path)}
-    try:
-        fused = families.loss_and_grads(torch.compile(model, backend="moe_fuse", options=options), inputs)
-    finally:
-        torch._dynamo.reset()
+    eager, fused, _ = compare(model, inputs, tmp_path)
     after = "".join(p.read_text() for p in sorted(tmp_path.glob("graph_*/after.py")))
     calls = re.findall(r"torch\.ops\.moe_fuse\.experts\.default\([^;]*, (True|False), ([0-9.]+)\)", after)
     assert calls == [("False", "0.05")] * 2, calls
-    for what, a, b in [("loss", fused[0], eager[0])] + [(f"grad {n}", fused[3][n], g) for n, g in eager[3].items()]:
-        assert families.rel_err(a, b) < families.TOLERANCE, what
+    assert_same_step(eager, fused)
 
 
 def test_eager_experts_implementation_passes_the_limit():
@@ -317,5 +319,4 @@ def test_eager_experts_implementation_passes_the_limit():
         with Spy():
             fused = families.loss_and_grads(model, inputs)
     assert limits == [0.05, 0.05], limits
-    for what, a, b in [("loss", fused[0], eager[0])] + [(f"grad {n}", fused[3][n], g) for n, g in eager[3].items()]:
-        assert families.rel_err(a, b) < families.TOLERANCE, what
+    assert_same_step(eager, fused)

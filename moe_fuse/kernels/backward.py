@@ -181,6 +181,7 @@ def _dgrad_kernel(
 
     # ---- epilogue, fp32: SwiGLU recomputed, its backward, the routing-weight gradient's partial sum
     rw = tl.load(rw_ptr + src, mask=row_valid, other=0.0).to(tl.float32)[:, None]
+    # The gate math below is _dswiglu_kernel's (lazy_jit kernels cannot share a jit helper): change both.
     if LIMITED:  # clamp h as the forward stored it (rounded); a clamped value passes no gradient
         acc_g = acc_g.to(dh_ptr.dtype.element_ty).to(tl.float32)
         acc_u = acc_u.to(dh_ptr.dtype.element_ty).to(tl.float32)
@@ -344,6 +345,7 @@ def _dswiglu_kernel(
         g = tl.load(g_ptr + p64 * I + i[None, :], mask=mask, other=0.0).to(tl.float32)
         gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        # The gate math below is _dgrad_kernel's epilogue (no shared jit helper: see _jit.py): change both.
         if LIMITED:  # a clamped value passes no gradient (eager's clamp backward; the bound itself passes)
             g_in = gate <= limit
             u_in = (up >= -limit) & (up <= limit)
