@@ -79,6 +79,8 @@ class GraphReport:
                 shape += f" swiglu_limit={m['swiglu_limit']}"
             if m.get("glu_alpha") is not None:
                 shape += f" glu_alpha={m['glu_alpha']}"
+            if m.get("activation", "silu") != "silu":
+                shape += f" activation={m['activation']}"
             lines.append(f"  fused    {m['pattern']:<22} {shape} {m['dtype']:<8} "
                          f"verified={m['verified']} nodes={m['nodes_replaced']} at {m['where']}")
             lines.extend(f"           note: {note}" for note in m.get("notes", ()))

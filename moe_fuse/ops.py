@@ -112,8 +112,12 @@ torch.library.register_autograd("moe_fuse::router", _router_backward, setup_cont
 # --------------------------------------------------------------------------- experts
 
 
-def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, glu_alpha=None):
+def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, glu_alpha=None, activation="silu"):
     # Kernels index with these shapes; a mismatch must be an error, not a wrong answer.
+    if activation not in reference.ACTIVATIONS:
+        raise ValueError(f"moe_fuse.experts: activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
+    if glu_alpha is not None and activation != "silu":
+        raise ValueError(f"moe_fuse.experts: glu_alpha is a gate of its own; it does not combine with {activation!r}")
     if swiglu_limit is not None and not (0 < swiglu_limit < float("inf")):
         raise ValueError(f"moe_fuse.experts: swiglu_limit must be a positive finite number, got {swiglu_limit}")
     if glu_alpha is not None and not (abs(glu_alpha) < float("inf")):
@@ -149,7 +153,7 @@ def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h) -> tuple[int, int, 
 @_op
 def experts(
     x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, save_h: bool = False,
-    swiglu_limit: float | None = None, glu_alpha: float | None = None,
+    swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(y, h, xs, routing, aw): y, then what the backward reads instead of recomputing (``_saved_sizes``).
 
@@ -164,10 +168,11 @@ def experts(
     swiglu_limit L (transformers' clamped SwiGLU): silu(gate.clamp(max=L)) * up.clamp(-L, L).
     glu_alpha a (the GPT-OSS-style gate of MiniMax-M3-VL): gate * sigmoid(a * gate) * (up + 1) instead of
     silu(gate) * up, after the clamps if any.
+    activation "gelu_tanh" (GeGLU, Gemma 4): gelu(gate, approximate="tanh") * up instead of silu(gate) * up.
     """
-    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha)
+    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation)
     h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h)
-    lim = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha}
+    lim = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation}
     if routing_size:
         y, h, routing, xs, aw = kernels.experts_forward(
             x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=True, **lim
@@ -194,8 +199,8 @@ def _empty(like, cols):
 
 
 @torch.library.register_fake("moe_fuse::experts")
-def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_alpha=None):
-    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha)
+def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_alpha=None, activation="silu"):
+    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation)
     h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h)
     return (
         x.new_empty(x.shape),
@@ -210,6 +215,7 @@ def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_a
 def experts_backward(
     dy: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor,
     xs: Tensor, routing: Tensor, aw: Tensor, swiglu_limit: float | None = None, glu_alpha: float | None = None,
+    activation: str = "silu",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """h, xs, routing, aw: what the forward kept (``experts``), each empty when not kept (recomputed)."""
     if dy.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):
@@ -218,25 +224,25 @@ def experts_backward(
             dy, x, ids, weights, w_gate_up, w_down, h if h.numel() else None,
             routing=kernels.routing_from_buffer(routing, S, E) if routing.numel() else None,
             xs=xs if xs.numel() else None, aw=aw if aw.numel() else None, swiglu_limit=swiglu_limit,
-            glu_alpha=glu_alpha,
+            glu_alpha=glu_alpha, activation=activation,
         )
     else:
         # The reference recomputes h in fp32. The gradient of a sum arrives with stride 0: make it a real tensor first.
         grads = reference.experts_backward(
             dy.contiguous(), x.contiguous(), ids, weights, w_gate_up, w_down, swiglu_limit=swiglu_limit,
-            glu_alpha=glu_alpha,
+            glu_alpha=glu_alpha, activation=activation,
         )
     return tuple(g.contiguous() for g in grads)
 
 
 @torch.library.register_fake("moe_fuse::experts_backward")
-def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, swiglu_limit=None, glu_alpha=None):
+def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, swiglu_limit=None, glu_alpha=None, activation="silu"):
     fmt = torch.contiguous_format
     return tuple(torch.empty_like(t, memory_format=fmt) for t in (x, weights, w_gate_up, w_down))
 
 
 def _experts_setup_context(ctx, inputs, output):
-    x, ids, weights, w_gate_up, w_down, _save_h, *gate = inputs  # swiglu_limit, glu_alpha: only when passed
+    x, ids, weights, w_gate_up, w_down, _save_h, *gate = inputs  # swiglu_limit, glu_alpha, activation: when passed
     ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, *output[1:])
     ctx.gate = tuple(gate)
 
@@ -248,7 +254,7 @@ def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing, _d_aw):
     dx, d_weights, d_wgu, d_wd = torch.ops.moe_fuse.experts_backward(
         dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, *ctx.gate
     )
-    return dx, None, d_weights, d_wgu, d_wd, None, None, None
+    return dx, None, d_weights, d_wgu, d_wd, None, None, None, None  # save_h, swiglu_limit, glu_alpha, activation
 
 
 torch.library.register_autograd(

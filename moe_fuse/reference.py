@@ -12,6 +12,8 @@ H hidden, I intermediate. ``w_gate_up`` is [E, 2I, H] with the gate rows first,
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -83,20 +85,39 @@ def clamp_gate_up(gate, up, limit: float | None):
     return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
 
 
-def glu(gate, up, alpha: float | None):
-    """silu(gate) * up, or with ``alpha`` the GPT-OSS-style gate (MiniMax-M3-VL, GPT-OSS):
-    gate * sigmoid(gate * alpha) * (up + 1), spelled as transformers spells it."""
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+# gelu with the tanh approximation is x * sigmoid(GELU_C * (x + GELU_A * x^3)): 0.5 * (1 + tanh(z)) = sigmoid(2z).
+GELU_A = 0.044715
+GELU_C = 2.0 * math.sqrt(2.0 / math.pi)
+
+
+def glu(gate, up, alpha: float | None, activation: str = "silu"):
+    """silu(gate) * up; with ``alpha`` the GPT-OSS-style gate (MiniMax-M3-VL, GPT-OSS):
+    gate * sigmoid(gate * alpha) * (up + 1), spelled as transformers spells it; with ``activation``
+    "gelu_tanh" GeGLU, gelu(gate, approximate="tanh") * up (Gemma 4)."""
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     if alpha is None:
         return F.silu(gate) * up
     return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
 
 
+def _gate_slope(gate, alpha: float | None, activation: str):
+    """(u, du/dgate) of the gate written as gate * sigmoid(u): u = gate (silu), alpha * gate, or
+    GELU_C * (gate + GELU_A * gate^3) (gelu_tanh)."""
+    if activation == "gelu_tanh":
+        return GELU_C * (gate + GELU_A * gate**3), GELU_C * (1 + 3 * GELU_A * gate**2)
+    a = 1.0 if alpha is None else alpha
+    return a * gate, a
+
+
 def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, swiglu_limit: float | None = None,
-                    glu_alpha: float | None = None):
+                    glu_alpha: float | None = None, activation: str = "silu"):
     """y[t] = sum_j weights[t,j] * W_down[e] (silu(W_gate[e] x[t]) * W_up[e] x[t]),  e = ids[t,j].
 
     swiglu_limit L: gate and up are clamped first (gate at max L, up to [-L, L]), as transformers does.
-    glu_alpha: the gated activation is ``glu(gate, up, glu_alpha)``.
+    glu_alpha, activation: the gated activation is ``glu(gate, up, glu_alpha, activation)``.
 
     Rounds like transformers' grouped_mm path: each GEMM in the weights' dtype,
     the routing weight applied with type promotion, the sum over k, then a cast to x.dtype.
@@ -115,7 +136,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, sw
         if save_h:
             h[rows] = h_rows
         gate, up = clamp_gate_up(*h_rows.chunk(2, dim=-1), limit)
-        ys[rows] = glu(gate, up, glu_alpha) @ w_down[e].t()
+        ys[rows] = glu(gate, up, glu_alpha, activation) @ w_down[e].t()
     y_slots = torch.empty_like(ys)
     y_slots[order] = ys
     weighted = y_slots * weights.reshape(-1, 1)
@@ -124,7 +145,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, sw
 
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float | None = None,
-                     glu_alpha: float | None = None):
+                     glu_alpha: float | None = None, activation: str = "silu"):
     """Gradients of experts_forward w.r.t. (x, weights, w_gate_up, w_down), accumulated in fp32.
 
     With swiglu_limit, a clamped gate or up value passes no gradient (eager's clamp backward: the
@@ -155,8 +176,8 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float
         h = xs[rows] @ wgu[e].t()
         raw_gate, raw_up = h.chunk(2, dim=-1)
         gate, up = clamp_gate_up(raw_gate, raw_up, limit)
-        alpha = 1.0 if glu_alpha is None else glu_alpha
-        sig = torch.sigmoid(gate * alpha)
+        u, du = _gate_slope(gate, glu_alpha, activation)
+        sig = torch.sigmoid(u)
         act = gate * sig
         up_term = up if glu_alpha is None else up + 1
         a = act * up_term
@@ -165,7 +186,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float
         d_y = dys[rows] * ws[rows, None]
         d_wd[e] = d_y.t() @ a
         d_a = d_y @ wd[e]
-        d_gate = d_a * up_term * sig * (1 + alpha * gate * (1 - sig))
+        d_gate = d_a * up_term * sig * (1 + du * gate * (1 - sig))
         d_up = d_a * act
         if limit is not None:
             d_gate = d_gate * (raw_gate <= limit)

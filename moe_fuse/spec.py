@@ -44,6 +44,8 @@ class ExpertsSpec:
     swiglu_limit: float | None = None
     # the GPT-OSS-style gate (MiniMax-M3-VL): gate * sigmoid(glu_alpha * gate) * (up + 1) instead of silu(gate) * up
     glu_alpha: float | None = None
+    # "gelu_tanh": GeGLU, gelu(gate, approximate="tanh") * up (Gemma 4), instead of silu(gate) * up
+    activation: str = "silu"
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -42,6 +42,12 @@ def _check(rank: int, world: int):
     with pytest.raises(ValueError, match=r"activation GELU, not silu.*nothing was sharded"):
         shard_experts(gelu)
     assert gelu.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 6
+    # ... and one the single-device op fuses (tanh gelu, Gemma 4) but the EP path does not compute yet.
+    tanh = qwen3_moe()
+    tanh.model.layers[0].mlp.experts.act_fn = torch.nn.GELU(approximate="tanh")
+    with pytest.raises(ValueError, match=r"a gelu gate, which the expert-parallel path does not take yet"):
+        shard_experts(tanh)
+    assert tanh.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 6
 
     _check_edge_splits(rank, world)
 

@@ -7,8 +7,8 @@
 registers a forward ``(self, hidden_states, top_k_index, top_k_weights) -> Tensor``
 in transformers' ``ALL_EXPERTS_FUNCTIONS``. On an experts module with the
 standard layout (gate_up [E, 2I, H] with the gate rows first, down [E, H, I], no
-bias, not transposed, silu, no post-expert norm, transformers' own gating, its clamped SwiGLU
-(``swiglu_limit``) or the GPT-OSS-style gate on those clamps (``swiglu_alpha``)) it is
+bias, not transposed, silu or tanh-approximated gelu, no post-expert norm, transformers' own gating, its
+clamped SwiGLU (``swiglu_limit``) or the GPT-OSS-style gate on those clamps (``swiglu_alpha``)) it is
 one ``torch.ops.moe_fuse.experts`` call, forward and backward. Any other module
 runs transformers' ``grouped_mm`` forward instead, with a warning (once per
 module class and reason) that says why.
@@ -32,6 +32,39 @@ def _is_silu(act) -> bool:
     return act is F.silu or type(act) in (SiLUActivation, torch.nn.SiLU)
 
 
+_PROVEN_ACTIVATIONS: dict = {}
+
+
+def activation_of(act) -> str | None:
+    """The op's ``activation`` for an experts module's ``act_fn``: "silu", "gelu_tanh" (transformers'
+    ``gelu_pytorch_tanh``, ``nn.GELU(approximate="tanh")``: proved on a probe), or None for anything else."""
+    if _is_silu(act):
+        return "silu"
+    key = (type(act), repr(act))
+    if key not in _PROVEN_ACTIVATIONS:
+        probe = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 4
+        try:
+            got = act(probe)
+        except Exception:  # an activation that cannot run on a float32 CPU probe is no proven match
+            got = None
+        want = F.gelu(probe, approximate="tanh")
+        ok = isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype and bool(
+            torch.allclose(got, want, rtol=1e-6, atol=1e-6))
+        _PROVEN_ACTIVATIONS[key] = "gelu_tanh" if ok else None
+    return _PROVEN_ACTIVATIONS[key]
+
+
+def experts_gate_args(module) -> tuple | None:
+    """The op's arguments after ``save_h`` for ``module`` (swiglu_limit, glu_alpha, activation, trailing
+    defaults left out), or None when its gate is none the op computes."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return gate_args(module)
+    act = activation_of(getattr(module, "act_fn", None))
+    return None if act is None else () if act == "silu" else (None, None, act)
+
+
 def unsupported_reason(module) -> str | None:
     """Why ``module`` cannot run as ``torch.ops.moe_fuse.experts``; None when it can."""
     from transformers.integrations.moe import _default_apply_gate
@@ -49,8 +82,8 @@ def unsupported_reason(module) -> str | None:
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
         if gate_args(module) is None:
             return f"a custom gating function ({type(module).__name__}._apply_gate)"
-    elif not _is_silu(getattr(module, "act_fn", None)):
-        return f"activation {type(getattr(module, 'act_fn', None)).__name__}, not silu"
+    elif activation_of(getattr(module, "act_fn", None)) is None:
+        return f"activation {type(getattr(module, 'act_fn', None)).__name__}, not silu or tanh-approximated gelu"
     for name in ("gate_up_proj", "down_proj"):
         w = getattr(module, name, None)
         if not isinstance(w, torch.Tensor) or w.dim() != 3:
@@ -138,7 +171,7 @@ def moe_fuse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: tor
     args = (hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
     # Keep h for the backward only when there will be one (the op's docstring says why).
     save_h = torch.is_grad_enabled() and any(t.requires_grad for t in args)
-    return torch.ops.moe_fuse.experts(*args, save_h, *(gate_args(self) or ()))[0]
+    return torch.ops.moe_fuse.experts(*args, save_h, *experts_gate_args(self))[0]
 
 
 def register_experts_implementation(name: str = NAME) -> str:

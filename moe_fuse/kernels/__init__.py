@@ -7,10 +7,10 @@ gate_up GEMM never writes h to memory.
 
 Public:
     experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False, keep_rows=False, swiglu_limit=None,
-                    glu_alpha=None)
+                    glu_alpha=None, activation="silu")
         -> y  (or (y, h, routing), or (y, h, routing, xs | None, aw | None))
     experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None,
-                     swiglu_limit=None, glu_alpha=None)
+                     swiglu_limit=None, glu_alpha=None, activation="silu")
         -> (dx, d_weights, d_w_gate_up, d_w_down)
     supports(x, ids, weights, w_gate_up, w_down) -> bool
     uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool
@@ -39,8 +39,9 @@ def uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool:
 
 
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False,
-                    swiglu_limit: float | None = None, glu_alpha: float | None = None):
-    """See forward.experts_forward: same result as reference.experts_forward (with its swiglu_limit, glu_alpha).
+                    swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu"):
+    """See forward.experts_forward: same result as reference.experts_forward (with its swiglu_limit, glu_alpha,
+    activation).
 
     save_h: (y, h, routing); with keep_rows too: (y, h, routing, xs, aw), on grouped_mm_path the
     weight gradients' operands its backward reads (xs the expert-sorted rows of x, aw the weighted
@@ -52,14 +53,15 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     if save_h and uses_grouped_mm(x, ids, w_gate_up, w_down):
         return grouped_mm_path.experts_forward(
             x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=keep_rows, swiglu_limit=swiglu_limit,
-            glu_alpha=glu_alpha,
+            glu_alpha=glu_alpha, activation=activation,
         )
-    out = impl(x, ids, weights, w_gate_up, w_down, save_h=save_h, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha)
+    out = impl(x, ids, weights, w_gate_up, w_down, save_h=save_h, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
+               activation=activation)
     return (*out, None, None) if save_h and keep_rows else out
 
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None,
-                     swiglu_limit: float | None = None, glu_alpha: float | None = None):
+                     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu"):
     """See backward.experts_backward: same result as reference.experts_backward (under the same ``supports``).
 
     h, routing, xs, aw: what ``experts_forward(save_h=True, keep_rows=True)`` kept, or None to recompute.
@@ -70,10 +72,10 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     if uses_grouped_mm(x, ids, w_gate_up, w_down, dy):
         return grouped_mm_path.experts_backward(
             dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, xs=xs, aw=aw, swiglu_limit=swiglu_limit,
-            glu_alpha=glu_alpha,
+            glu_alpha=glu_alpha, activation=activation,
         )
     return impl(dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, swiglu_limit=swiglu_limit,
-                glu_alpha=glu_alpha)
+                glu_alpha=glu_alpha, activation=activation)
 
 
 def supports(x, ids, weights, w_gate_up, w_down) -> bool:

@@ -90,6 +90,7 @@ def _dgrad_kernel(
     EVEN_K: tl.constexpr,
     LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) before SwiGLU
     ALPHA_GATE: tl.constexpr,  # gate * sigmoid(alpha * gate) * (up + 1) instead of silu(gate) * up
+    GELU_TANH: tl.constexpr,  # gelu(gate, approximate="tanh") * up (GeGLU) instead of silu(gate) * up
     USE_TMA: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -193,6 +194,10 @@ def _dgrad_kernel(
         sig = tl.sigmoid(alpha * acc_g)
         act = acc_g * sig
         up_term = acc_u + 1.0
+    elif GELU_TANH:  # gelu's tanh form is gate * sigmoid(u), u = 2 * sqrt(2 / pi) * (gate + 0.044715 * gate^3)
+        sig = tl.sigmoid(1.5957691216057308 * (acc_g + 0.044715 * acc_g * acc_g * acc_g))
+        act = acc_g * sig
+        up_term = acc_u
     else:
         sig = tl.sigmoid(acc_g)
         act = acc_g * sig  # silu(gate)
@@ -202,6 +207,8 @@ def _dgrad_kernel(
     d_a = rw * acc_d
     if ALPHA_GATE:
         d_gate = d_a * up_term * sig * (1.0 + alpha * acc_g * (1.0 - sig))
+    elif GELU_TANH:  # d(gate * sigmoid(u)) = sig * (1 + gate * (1 - sig) * du), du = C * (1 + 3 * 0.044715 * gate^2)
+        d_gate = d_a * acc_u * sig * (1.0 + 1.5957691216057308 * (1.0 + 0.134145 * acc_g * acc_g) * acc_g * (1.0 - sig))
     else:
         d_gate = d_a * acc_u * sig * (1.0 + acc_g * (1.0 - sig))
     d_up = d_a * act
@@ -323,6 +330,7 @@ def _dswiglu_kernel(
     alpha,  # glu_alpha (ALPHA_GATE)
     LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) before SwiGLU
     ALPHA_GATE: tl.constexpr,  # gate * sigmoid(alpha * gate) * (up + 1) instead of silu(gate) * up
+    GELU_TANH: tl.constexpr,  # gelu(gate, approximate="tanh") * up (GeGLU) instead of silu(gate) * up
     WRITE_AW: tl.constexpr,  # False: the forward kept aw (grouped_mm_path), skip the [S, I] store
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
@@ -355,6 +363,10 @@ def _dswiglu_kernel(
             sig = tl.sigmoid(alpha * gate)
             act = gate * sig
             up_term = up + 1.0
+        elif GELU_TANH:  # gelu's tanh form is gate * sigmoid(u), u = 2 * sqrt(2 / pi) * (gate + 0.044715 * gate^3)
+            sig = tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+            act = gate * sig
+            up_term = up
         else:
             sig = tl.sigmoid(gate)
             act = gate * sig  # silu(gate)
@@ -364,6 +376,8 @@ def _dswiglu_kernel(
         d_a = w * g
         if ALPHA_GATE:
             d_gate = d_a * up_term * sig * (1.0 + alpha * gate * (1.0 - sig))
+        elif GELU_TANH:  # d(gate * sigmoid(u)) = sig * (1 + gate * (1 - sig) * du), du = C * (1 + 3 * 0.044715 * gate^2)
+            d_gate = d_a * up * sig * (1.0 + 1.5957691216057308 * (1.0 + 0.134145 * gate * gate) * gate * (1.0 - sig))
         else:
             d_gate = d_a * up * sig * (1.0 + gate * (1.0 - sig))
         d_up = d_a * act
@@ -637,7 +651,7 @@ def _wgrad_config(S: int, E: int, dtype: torch.dtype, kind: str) -> GemmConfig:
 
 
 def dgrad_saved(dy, routing: Routing, rw, h, w_down, top_k: int, weights_dtype, *, config: GemmConfig | None = None,
-                swiglu_limit: float | None = None, glu_alpha: float | None = None):
+                swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu"):
     """(d_h [S, 2I], aw [S, I], d_weights [S] by row): the dgrad when the forward kept h [S, 2I].
 
     Two launches: the GEMM g = dy[tok] @ W_down[e] ([S, I], weights' dtype), then the dSwiGLU pass.
@@ -674,16 +688,17 @@ def dgrad_saved(dy, routing: Routing, rw, h, w_down, top_k: int, weights_dtype, 
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return dswiglu(g, h, rw, routing, weights_dtype, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha)
+    return dswiglu(g, h, rw, routing, weights_dtype, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
+                   activation=activation)
 
 
 def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True, swiglu_limit: float | None = None,
-            glu_alpha: float | None = None):
+            glu_alpha: float | None = None, activation: str = "silu"):
     """(d_h [S, 2I], aw [S, I] or None, d_weights [S] by row) from g = dy[tok] @ W_down[e] and the saved h,
     sorted order. write_aw False: aw is not computed (None), for a caller that kept the forward's.
 
     Rows past offsets[E] (sentinels): d_weights 0, d_h and aw not written. swiglu_limit: the forward clamped
-    gate and up (``reference.clamp_gate_up``); glu_alpha: its gate was ``reference.glu``'s with that alpha.
+    gate and up (``reference.clamp_gate_up``); glu_alpha, activation: its gate was ``reference.glu``'s with those.
     """
     S, I = g.shape
     limit = limit_in(h.dtype, swiglu_limit)
@@ -696,14 +711,15 @@ def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True,
     _dswiglu_kernel[(cdiv(S, block_r),)](
         g, h, rw, routing.order, routing.offsets, dh, aw if write_aw else dh, d_weights, S, I,
         routing.counts.numel(), 0.0 if limit is None else limit, 1.0 if glu_alpha is None else float(glu_alpha),
-        LIMITED=limit is not None, ALPHA_GATE=glu_alpha is not None, WRITE_AW=write_aw,
+        LIMITED=limit is not None, ALPHA_GATE=glu_alpha is not None, GELU_TANH=activation == "gelu_tanh",
+        WRITE_AW=write_aw,
         BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
     )
     return dh, aw, d_weights
 
 
 def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config: GemmConfig | None = None,
-          swiglu_limit: float | None = None, glu_alpha: float | None = None):
+          swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu"):
     """(d_h [S, 2I], aw [S, I], partials [n_tiles, S] fp32), all in sorted order; see the module docstring.
 
     dy [T, H] contiguous, rw [S] the routing weights by row (contiguous); h is recomputed from x.
@@ -757,6 +773,7 @@ def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config:
         EVEN_K=H % cfg.block_k == 0,
         LIMITED=limit is not None,
         ALPHA_GATE=glu_alpha is not None,
+        GELU_TANH=activation == "gelu_tanh",
         USE_TMA=use_tma,
         INTERPRET=interpreting(),
         DOT_PRECISION=_dot_precision(w_gate_up.dtype),
@@ -874,7 +891,8 @@ def d_weights_by_row(part, routing: Routing, num_experts: int, out_dtype):
 
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: BackwardConfig | None = None,
-                     routing: Routing | None = None, swiglu_limit: float | None = None, glu_alpha: float | None = None):
+                     routing: Routing | None = None, swiglu_limit: float | None = None, glu_alpha: float | None = None,
+                     activation: str = "silu"):
     """(dx, d_weights, d_w_gate_up, d_w_down): the semantics and dtypes of ``reference.experts_backward``.
 
     dy [T, H] (any strides, stride 0 included), x [T, H], ids [T, k] (ids >= E: expert-parallel
@@ -907,11 +925,12 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
 
     if h is None:
         dh, aw, part = dgrad(dy, x, routing, rw, w_gate_up, w_down, k, config=cfg.dgrad, swiglu_limit=swiglu_limit,
-                             glu_alpha=glu_alpha)
+                             glu_alpha=glu_alpha, activation=activation)
         d_weights = d_weights_by_row(part, routing, E, weights.dtype)
     else:
         dh, aw, d_weights = dgrad_saved(
-            dy, routing, rw, h, w_down, k, weights.dtype, config=cfg.dgrad, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha
+            dy, routing, rw, h, w_down, k, weights.dtype, config=cfg.dgrad, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
+            activation=activation,
         )
     by_load = experts_by_rows(routing)
     side = side_stream(dev) if OVERLAP_WGRAD and dev.type == "cuda" and not interpreting() else None

@@ -45,7 +45,7 @@ def supports(x, ids, weights, w_gate_up, w_down) -> bool:
 
 
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, swiglu_limit: float | None = None,
-                    glu_alpha: float | None = None):
+                    glu_alpha: float | None = None, activation: str = "silu"):
     """Same result as ``reference.experts_forward``; with ``save_h`` also returns (h, routing).
 
     x [T, H], ids [T, k] (expert of each slot; ids >= E are expert-parallel
@@ -58,7 +58,8 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     k = ids.shape[1]
     E = w_gate_up.shape[0]
     routing = route(ids, E)
-    a, h = gate_up(x, routing, w_gate_up, k, save_h=save_h, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha)
+    a, h = gate_up(x, routing, w_gate_up, k, save_h=save_h, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
+                   activation=activation)
     # The reference multiplies the expert output (weights' dtype) by the routing
     # weight with type promotion and sums in that dtype: keep the slots there.
     slot_dtype = torch.promote_types(w_down.dtype, weights.dtype)

@@ -82,6 +82,7 @@ def _gate_up_kernel(
     SAVE_H: tl.constexpr,
     LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) before SwiGLU
     ALPHA_GATE: tl.constexpr,  # gate * sigmoid(alpha * gate) * (up + 1) instead of silu(gate) * up
+    GELU_TANH: tl.constexpr,  # gelu(gate, approximate="tanh") * up (GeGLU) instead of silu(gate) * up
     USE_TMA: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -164,6 +165,8 @@ def _gate_up_kernel(
                            propagate_nan=tl.PropagateNan.ALL)
     if ALPHA_GATE:
         act = acc_g * tl.sigmoid(alpha * acc_g) * (acc_u + 1.0)
+    elif GELU_TANH:  # gelu's tanh form is gate * sigmoid(2 * sqrt(2 / pi) * (gate + 0.044715 * gate^3))
+        act = acc_g * tl.sigmoid(1.5957691216057308 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)) * acc_u
     else:
         act = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(a_ptr + pos64 * I + n[None, :], act.to(a_ptr.dtype.element_ty), mask=out_mask)
@@ -317,11 +320,13 @@ def gate_up(
     save_h: bool = False,
     swiglu_limit: float | None = None,
     glu_alpha: float | None = None,
+    activation: str = "silu",
     config: GemmConfig | None = None,
 ):
     """a [S, I] (sorted order, weights' dtype) and, if ``save_h``, h [S, 2I] = the pre-activation gate | up.
 
-    swiglu_limit: gate and up clamped first (``reference.clamp_gate_up``); glu_alpha: ``reference.glu``'s gate."""
+    swiglu_limit: gate and up clamped first (``reference.clamp_gate_up``); glu_alpha, activation:
+    ``reference.glu``'s gate."""
     E, two_i, H = w_gate_up.shape
     I = two_i // 2
     S = routing.order.numel()
@@ -364,6 +369,7 @@ def gate_up(
         SAVE_H=save_h,
         LIMITED=limit is not None,
         ALPHA_GATE=glu_alpha is not None,
+        GELU_TANH=activation == "gelu_tanh",
         USE_TMA=use_tma,
         INTERPRET=interpreting(),
         DOT_PRECISION=_dot_precision(w_gate_up.dtype),

@@ -99,6 +99,7 @@ def _swiglu_kernel(
     alpha,  # glu_alpha (ALPHA_GATE)
     LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) first
     ALPHA_GATE: tl.constexpr,  # gate * sigmoid(alpha * gate) * (up + 1) instead of silu(gate) * up
+    GELU_TANH: tl.constexpr,  # gelu(gate, approximate="tanh") * up (GeGLU) instead of silu(gate) * up
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
@@ -122,16 +123,19 @@ def _swiglu_kernel(
                             propagate_nan=tl.PropagateNan.ALL)
         if ALPHA_GATE:
             aw = w * (gate * tl.sigmoid(alpha * gate) * (up + 1.0))
+        elif GELU_TANH:  # gelu's tanh form is gate * sigmoid(2 * sqrt(2 / pi) * (gate + 0.044715 * gate^3))
+            aw = w * (gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up)
         else:
             aw = w * (gate * tl.sigmoid(gate) * up)
         tl.store(a_ptr + p64 * I + i[None, :], aw.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 def swiglu(h: torch.Tensor, routing: Routing, rw: torch.Tensor, swiglu_limit: float | None = None,
-           glu_alpha: float | None = None) -> torch.Tensor:
+           glu_alpha: float | None = None, activation: str = "silu") -> torch.Tensor:
     """aw [S, I] = w * silu(gate) * up in h's dtype, sorted order; rw [T * k] the routing weights by row.
 
-    swiglu_limit: gate and up clamped first (``reference.clamp_gate_up``); glu_alpha: ``reference.glu``'s gate."""
+    swiglu_limit: gate and up clamped first (``reference.clamp_gate_up``); glu_alpha, activation: ``reference.glu``'s
+    gate."""
     S, two_i = h.shape
     I = two_i // 2
     E = routing.counts.numel()
@@ -142,7 +146,7 @@ def swiglu(h: torch.Tensor, routing: Routing, rw: torch.Tensor, swiglu_limit: fl
     _swiglu_kernel[(cdiv(S, block_r),)](
         h, rw, routing.order, a, routing.offsets, S, I, E, 0.0 if limit is None else limit,
         1.0 if glu_alpha is None else float(glu_alpha), LIMITED=limit is not None, ALPHA_GATE=glu_alpha is not None,
-        BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
+        GELU_TANH=activation == "gelu_tanh", BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
     )
     return a
 
@@ -169,7 +173,7 @@ def _tiles(routing: Routing, rows: int):
 
 
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False,
-                    swiglu_limit: float | None = None, glu_alpha: float | None = None):
+                    swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu"):
     """Same contract as ``forward.experts_forward`` (y, or (y, h, routing) with ``save_h``); needs S > 0.
 
     keep_rows (with save_h): (y, h, routing, xs, aw), the two GEMM operands the backward's weight
@@ -186,12 +190,12 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     rw = weights.reshape(-1).contiguous()
     # The routing weight scales the down GEMM's input rows, not its output: the combine then only
     # sums, and the scaled rows are dW_down's operand too.
-    plain = swiglu_limit is None and glu_alpha is None  # the Gluon epilogues compute silu(gate) * up only
+    plain = swiglu_limit is None and glu_alpha is None and activation == "silu"  # the Gluon epilogues: silu only
     if plain and _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2]):
         h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # same bits as below
     else:
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
-        aw = swiglu(h, routing, rw, swiglu_limit, glu_alpha)
+        aw = swiglu(h, routing, rw, swiglu_limit, glu_alpha, activation)
     if not (save_h and keep_rows):
         del xs
     o = _row_gemm(aw, w_down, tiles, ends, w_kmajor=True)
@@ -202,7 +206,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
 
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None,
-                     swiglu_limit: float | None = None, glu_alpha: float | None = None):
+                     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu"):
     """Same contract as ``backward.experts_backward``; needs S > 0.
 
     h, routing, xs, aw: what the forward kept (``experts_forward(save_h=True, keep_rows=True)``), each
@@ -231,13 +235,15 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
     dys = expand_rows(dy, routing.pos.view(T, k))
     rw = weights.reshape(-1).contiguous()
-    if aw is not None and swiglu_limit is None and glu_alpha is None and _fused(GLUON_DSWIGLU, tiles, I, H):
+    plain = swiglu_limit is None and glu_alpha is None and activation == "silu"
+    if aw is not None and plain and _fused(GLUON_DSWIGLU, tiles, I, H):
         # d_h bitwise the unfused pass's; d_weights summed over 128-column partials (fixed order)
         dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
     else:
         g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
         dh, aw_now, d_weights = dswiglu(
-            g, h, rw, routing, weights.dtype, write_aw=aw is None, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha
+            g, h, rw, routing, weights.dtype, write_aw=aw is None, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
+            activation=activation,
         )
         aw = aw_now if aw is None else aw
         del g

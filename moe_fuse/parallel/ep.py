@@ -69,14 +69,15 @@ def _is_experts_module(module: torch.nn.Module) -> bool:
 
 def _not_computed(module: torch.nn.Module) -> str | None:
     """What a transformers experts module computes that the expert-parallel experts (plain SwiGLU over
-    [E, 2I, H] and [E, H, I]) would not: a custom or clamped gate, another activation, ...; None if nothing."""
+    [E, 2I, H] and [E, H, I]) would not: a custom or clamped gate, another activation (gelu too), ...; None if
+    nothing."""
     if not hasattr(module, "has_gate"):  # not transformers' experts interface: the shape checks are all there is
         return None
-    from ..integrations.transformers import gate_args, unsupported_reason
+    from ..integrations.transformers import experts_gate_args, unsupported_reason
 
     reason = unsupported_reason(module)
-    if reason is None and gate_args(module):
-        reason = "a clamped gate (swiglu_limit), which the expert-parallel path does not take yet"
+    if reason is None and experts_gate_args(module):
+        reason = "a clamped gate (swiglu_limit) or a gelu gate, which the expert-parallel path does not take yet"
     return reason
 
 

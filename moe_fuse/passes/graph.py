@@ -39,6 +39,7 @@ def _function_names():
         torch.histc: "histc",
         torch.cumsum: "cumsum",
         F.silu: "silu",
+        torch._C._nn.gelu: "gelu",  # = F.gelu
         torch.sigmoid: "sigmoid",
         operator.add: "add",
         torch.empty_like: "empty_like",

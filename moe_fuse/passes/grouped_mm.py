@@ -8,7 +8,8 @@
     [h = h.masked_fill(mask, 0)]                             # transformers::grouped_mm_fallback
     gate, up = h.chunk(2, dim=-1)
     [gate, up = gate.clamp(max=L), up.clamp(-L, L)]         # swiglu_limit
-    act = silu(gate) * up                                    # or in fp32 and cast back; or (up + 1) * (gate * sigmoid(gate * a))
+    act = silu(gate) * up                                    # or in fp32 and cast back; or (up + 1) * (gate * sigmoid(gate * a));
+                                                             # or gelu(gate, approximate="tanh") * up
     ys = grouped_mm(act, W_down.transpose(-2, -1), offs)
     [ys = ys.masked_fill(mask, 0)]
     out = ys * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
@@ -148,7 +149,7 @@ def match(up_mm: fx.Node) -> Candidate:
     expect_literal(arg(chunk, 2, "dim", 0) in (-1, 1), True, "chunk over the last dim", chunk)
     gate, up = getitem_user(chunk, 0), getitem_user(chunk, 1)
     gate, up, swiglu_limit = match_swiglu_limit(gate, up)
-    glu, glu_alpha = match_glu(gate, up)
+    glu, glu_alpha, activation = match_glu(gate, up)
     down_mm = glu
     while not is_op(down_mm, "grouped_mm"):
         down_mm = user_of(down_mm, "to", "grouped_mm", "contiguous")
@@ -191,6 +192,7 @@ def match(up_mm: fx.Node) -> Candidate:
         expert_parallel_sentinels=mask is not None or mask2 is not None,
         swiglu_limit=swiglu_limit,
         glu_alpha=glu_alpha,
+        activation=activation,
     )
     return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm)
 
@@ -202,8 +204,19 @@ def _literal(node: fx.Node):
 
 
 def match_glu(gate: fx.Node, up: fx.Node):
-    """The gated activation after the chunk (and clamps): ``silu(gate) * up`` -> (its node, None), or the
-    GPT-OSS-style gate of MiniMax-M3-VL ``(up + 1) * (gate * sigmoid(gate * a))`` -> (its node, a)."""
+    """The gated activation after the chunk (and clamps) -> (its node, glu_alpha, activation):
+    ``silu(gate) * up`` -> (node, None, "silu"); the GPT-OSS-style gate of MiniMax-M3-VL
+    ``(up + 1) * (gate * sigmoid(gate * a))`` -> (node, a, "silu"); GeGLU (Gemma 4)
+    ``gelu(gate, approximate="tanh") * up`` -> (node, None, "gelu_tanh")."""
+    if any(is_op(u, "gelu") for u in gate.users):
+        act = user_of(gate, "gelu")
+        approximate = arg(act, 1, "approximate", "none")
+        if approximate != "tanh":
+            raise NoMatch(f"gelu with approximate={approximate!r}: only the tanh form is fused", act)
+        glu = user_of(act, "mul")
+        if set(glu.args) != {act, up}:
+            raise NoMatch("gated activation is not gelu(gate, approximate='tanh') * up", glu)
+        return glu, None, "gelu_tanh"
     if not any(is_op(u, "silu") for u in gate.users) and any(is_op(u, "mul") for u in gate.users):
         scaled = [u for u in gate.users if is_op(u, "mul") and _literal(u) is not None]
         if len(scaled) != 1:
@@ -219,13 +232,13 @@ def match_glu(gate: fx.Node, up: fx.Node):
         glu = user_of(act, "mul")
         if set(glu.args) != {act, plus}:
             raise NoMatch("gated activation is not (up + 1) * (gate * sigmoid(gate * alpha))", glu)
-        return glu, alpha
+        return glu, alpha, "silu"
     gate, up = _through_upcast(gate), _through_upcast(up)  # Beam: silu(gate.float()) * up.float(), cast back
     act = user_of(gate, "silu")
     glu = user_of(act, "mul")
     if set(glu.args) != {act, up}:
         raise NoMatch("gated activation is not silu(gate) * up", glu)
-    return glu, None
+    return glu, None, "silu"
 
 
 def _through_upcast(node: fx.Node) -> fx.Node:
@@ -276,11 +289,12 @@ def experts_candidate(pattern: str, spec: ExpertsSpec, inputs, out: fx.Node, anc
 
     The call keeps h for the backward (its sixth argument, ``save_h``) when the graph is traced for training,
     as AOTAutograd decides it: grad mode on and an input that requires grad. The spec's gate (swiglu_limit,
-    glu_alpha) follows it when there is one. Shared by the experts patterns.
+    glu_alpha, activation) follows it when there is one. Shared by the experts patterns.
     """
     save_h = torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False) for n in inputs)
-    limit, alpha = getattr(spec, "swiglu_limit", None), getattr(spec, "glu_alpha", None)
-    gate = () if limit is None and alpha is None else (limit,) if alpha is None else (limit, alpha)
+    gate = (getattr(spec, "swiglu_limit", None), getattr(spec, "glu_alpha", None), getattr(spec, "activation", "silu"))
+    while gate and gate[-1] in (None, "silu"):  # only the arguments that differ from the op's defaults
+        gate = gate[:-1]
     return Candidate(
         pattern=pattern,
         spec=spec,
