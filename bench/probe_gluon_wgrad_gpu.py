@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Probe: a warp-specialized K-ragged weight-gradient GEMM in Gluon, against CUTLASS, on expert-padded copies.
+
+    PYTHONPATH=. python3 bench/probe_gluon_wgrad_gpu.py [--shape 30b] [--tokens 16384] [--seconds 2]
+    PYTHONPATH=. python3 bench/probe_gluon_wgrad_gpu.py --compile      # CPU: compile for sm90, ptxas -v
+
+bench/probe_gather_wgrad_gpu.py found the Triton K-ragged weight gradient 28-57% slower than CUTLASS even
+when both operands come through TMA: without warp specialization each tile's ~16 K steps pay the
+pipeline fill and the epilogue. This is the question before any gather: can an explicit Gluon ping-pong
+(gluon_ragged's structure: one TMA load warp, two consumer warpgroups on alternate 128 x 128 tiles) run
+out[e] = P_e^T Q_e over each expert's rows at CUTLASS's speed and joules?
+
+TMA cannot stop at an expert's last row inside a tensor. Here each expert's rows start at a multiple of
+64 and its segment is padded with zero rows (``pad``), so no K step crosses two experts and no masking is
+needed: a layout the sorted copies could take in the product, since moe_fuse writes them itself.
+
+    dW_gate_up[e]   = dh_e^T xs_e     P = dh [S', 2I], Q = xs [S', H]
+    dW_down[e]^T    = aw_e^T dys_e    P = aw [S', I],  Q = dys [S', H]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}  # H, I, E, k
+BM, BN, BK = 128, 128, 64
+STAGES = 5  # 32 KB a stage
+
+
+@gluon.jit
+def _loader(p, STAGES: gl.constexpr):
+    (p_desc, q_desc, a_bufs, b_bufs, ready, empty, turn, offp_ptr, out_ptr, M, N, num_m, num_n, total) = p
+    BLOCK_K: gl.constexpr = p_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = p_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = q_desc.block_type.shape[1]
+    per_e = num_m * num_n
+    it = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        e = t // per_e
+        m0 = (t % per_e) // num_n * BLOCK_M
+        n0 = (t % num_n) * BLOCK_N
+        lo = gl.load(offp_ptr + e)
+        hi = gl.load(offp_ptr + e + 1)
+        for r0 in range(lo, hi, BLOCK_K):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), p_desc.block_type.nbytes + q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(p_desc, [r0, m0], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(q_desc, [r0, n0], ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _consume(p, STAGES: gl.constexpr, c: gl.constexpr):
+    """Consumer c takes the program's tiles j = c, c + 2, ...; its K loop runs while the other writes."""
+    (p_desc, q_desc, a_bufs, b_bufs, ready, empty, turn, offp_ptr, out_ptr, M, N, num_m, num_n, total) = p
+    BLOCK_K: gl.constexpr = p_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = p_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = q_desc.block_type.shape[1]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    per_e = num_m * num_n
+    it = 0  # ring steps of every tile before this one (both consumers'), in the loader's order
+    j = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        e = t // per_e
+        lo = gl.load(offp_ptr + e)
+        hi = gl.load(offp_ptr + e + 1)
+        n_k = (hi - lo) // BLOCK_K
+        if j % 2 == c:
+            m0 = (t % per_e) // num_n * BLOCK_M
+            n0 = (t % num_n) * BLOCK_N
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
+            mbarrier.wait(turn.index(1 - c), (j // 2 - 1 + c) & 1, pred=j > 0)
+            for kk in range(n_k):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+                it += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=n_k > 0)
+            mbarrier.arrive(turn.index(c), count=1)
+            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            gl.store(out_ptr + e.to(gl.int64) * M * N + rows.to(gl.int64)[:, None] * N + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            it += n_k
+        j += 1
+
+
+@gluon.jit
+def _consume_second(p, STAGES: gl.constexpr):
+    _consume(p, STAGES, 1)
+
+
+@gluon.jit
+def _wgrad_kernel(p_desc, q_desc, offp_ptr, out_ptr, M, N, num_m, num_n, total, STAGES: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(p_desc.dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
+    b_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    p = (p_desc, q_desc, a_bufs, b_bufs, ready, empty, turn, offp_ptr, out_ptr, M, N, num_m, num_n, total)
+    gl.warp_specialize([
+        (_consume, (p, STAGES, 0)),
+        (_consume_second, (p, STAGES)),
+        (_loader, (p, STAGES)),
+    ], [4, 1], [240, 24])
+
+
+def _desc(t, block):
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+
+def gluon_wgrad(p, q, offp, E, sms):
+    """out [E, M, N] = P_e^T Q_e over each expert's padded rows [offp[e], offp[e + 1])."""
+    M, N = p.shape[1], q.shape[1]
+    out = torch.empty(E, M, N, dtype=p.dtype, device=p.device)
+    num_m, num_n = -(-M // BM), -(-N // BN)
+    total = E * num_m * num_n
+    _wgrad_kernel[(min(sms, total),)](_desc(p, [BK, BM]), _desc(q, [BK, BN]), offp, out, M, N, num_m, num_n, total,
+                                      STAGES, num_warps=4, maxnreg=168)
+    return out
+
+
+def pad(t, offsets, offp, rows):
+    """t's rows with each expert's segment moved to start at offp[e], zero rows between."""
+    E = offsets.numel() - 1
+    counts = (offsets[1:] - offsets[:-1]).long()
+    dest = torch.repeat_interleave(offp[:-1].long() - offsets[:-1].long(), counts) + torch.arange(
+        int(offsets[-1]), device=t.device)
+    out = torch.zeros(rows, t.shape[1], dtype=t.dtype, device=t.device)
+    out[dest] = t[: int(offsets[-1])]
+    return out
+
+
+def compile_sm90():
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    pd = _desc(torch.empty(1024, 256, dtype=torch.bfloat16), [BK, BM])
+    qd = _desc(torch.empty(1024, 256, dtype=torch.bfloat16), [BK, BN])
+    sig = {"p_desc": mangle_type(pd), "q_desc": mangle_type(qd), "offp_ptr": "*i32", "out_ptr": "*bf16", "M": "i32",
+           "N": "i32", "num_m": "i32", "num_n": "i32", "total": "i32", "STAGES": "constexpr"}
+    k = triton.compile(GluonASTSource(_wgrad_kernel, sig, {"STAGES": STAGES}), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "maxnreg": 168})
+    with tempfile.TemporaryDirectory() as d:
+        open(d + "/k.ptx", "w").write(k.asm["ptx"])
+        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", d + "/k.ptx", "-o", d + "/k.cubin"],
+                             capture_output=True, text=True)
+    print(f"shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{out.stdout}{out.stderr}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="30b")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--compile", action="store_true")
+    args = ap.parse_args()
+    if args.compile:
+        return compile_sm90()
+
+    from power import run_sustained
+
+    from moe_fuse.kernels.permute import expand_rows
+    from moe_fuse.kernels.routing import route
+
+    H, I, E, k = SHAPES[args.shape]
+    T, S, dev, bf = args.tokens, args.tokens * k, "cuda", torch.bfloat16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(bf)
+
+    x, dy = rnd(T, H), rnd(T, H)
+    logits = (x @ rnd(E, H, scale=H**-0.5).t()).float()
+    ids = torch.topk(logits.softmax(-1), k, dim=-1).indices.to(torch.int32)
+    routing = route(ids, E)
+    ends = routing.offsets[1:]
+    pos = routing.pos.view(T, k)
+    padded = (routing.counts.long() + BK - 1) // BK * BK
+    offp = torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
+    rows = int(offp[-1])
+    print(f"{torch.cuda.get_device_name()}; {args.shape} T={T}: S={S}, padded rows {rows} (+{rows / S - 1:.1%})",
+          flush=True)
+    dh, aw = rnd(S, 2 * I), rnd(S, I)
+    xs, dys = expand_rows(x, pos), expand_rows(dy, pos)
+    cases = {
+        "dW_gate_up": (dh, xs, lambda: torch._grouped_mm(dh.t(), xs, offs=ends), False),
+        "dW_down": (aw, dys, lambda: torch._grouped_mm(dys.t(), aw, offs=ends), True),  # ours: its transpose
+    }
+    for name, (p, q, cutlass, transposed) in cases.items():
+        flop = 2 * S * p.shape[1] * q.shape[1]
+        pp, qp = pad(p, routing.offsets, offp, rows), pad(q, routing.offsets, offp, rows)
+        want = cutlass()
+        got = gluon_wgrad(pp, qp, offp, E, sms)
+        torch.cuda.synchronize()
+        got = got.transpose(1, 2) if transposed else got
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        print(f"  {name:10s} vs CUTLASS: rel err {err:.1e}, bitwise {torch.equal(got, want)}", flush=True)
+        for label, fn in (("CUTLASS", cutlass), ("Gluon ping-pong, padded", lambda: gluon_wgrad(pp, qp, offp, E, sms))):
+            ms, smp = run_sustained(fn, args.seconds, batch=20)
+            st, mj = smp.stats(), smp.mj_per_call
+            print(f"  {name:10s} {label:24s} {ms:.3f} ms/call, {'nan' if mj is None else f'{mj:.0f}'} mJ/call "
+                  f"({flop / ms / 1e9:.0f} TFLOP/s), {st.get('watts', float('nan')):.0f} W, "
+                  f"{st.get('sm_mhz', float('nan')):.0f} MHz, capped {st.get('capped', float('nan')):.0%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
