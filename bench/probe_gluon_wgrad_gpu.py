@@ -14,8 +14,12 @@ TMA cannot stop at an expert's last row inside a tensor. Here each expert's rows
 64 and its segment is padded with zero rows (``pad``), so no K step crosses two experts and no masking is
 needed: a layout the sorted copies could take in the product, since moe_fuse writes them itself.
 
-    dW_gate_up[e]   = dh_e^T xs_e     P = dh [S', 2I], Q = xs [S', H]
-    dW_down[e]^T    = aw_e^T dys_e    P = aw [S', I],  Q = dys [S', H]
+    dW_gate_up[e]   = dh_e^T xs_e     P = dh [S', 2I], Q = xs [S', H]   (gathered: Q = x, rows src)
+    dW_down[e]^T    = aw_e^T dys_e    P = aw [S', I],  Q = dys [S', H]  (gathered: Q = dy)
+
+Two loaders: TMA of the padded copy of Q (one warp), or the gather (GATHER: four warps, each thread
+cp.async-copies 8 16-byte pieces of the stage's rows x[src[r]] and arrives on the stage's barrier when
+they land, ``cp.async.mbarrier.arrive.noinc``). Results: bench/results/probe_gluon_wgrad*_2026-12-02.log.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from pathlib import Path
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,11 +45,15 @@ STAGES = 5  # 32 KB a stage
 
 
 @gluon.jit
-def _loader(p, STAGES: gl.constexpr):
-    (p_desc, q_desc, a_bufs, b_bufs, ready, empty, turn, offp_ptr, out_ptr, M, N, num_m, num_n, total) = p
+def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
+    """TMA of P's stage; Q's by TMA of the sorted copy, or (GATHER) gathered rows through cp.async: every
+    thread of this 4-warp partition copies its 16-byte pieces and arrives on the stage when they land."""
+    (p_desc, q_desc, a_bufs, b_bufs, ready, empty, turn, offp_ptr, out_ptr, M, N, num_m, num_n, total, q_ptr, src_ptr,
+     stride_q) = p
     BLOCK_K: gl.constexpr = p_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = p_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = q_desc.block_type.shape[1]
+    gather: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte pieces, a row's in one warp
     per_e = num_m * num_n
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -52,19 +62,38 @@ def _loader(p, STAGES: gl.constexpr):
         n0 = (t % num_n) * BLOCK_N
         lo = gl.load(offp_ptr + e)
         hi = gl.load(offp_ptr + e + 1)
+        # the gathered rows' indices two steps ahead: a load's latency is about one stage's MMA time
+        if GATHER:
+            rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, gather))
+            src = gl.load(src_ptr + lo + rk, mask=lo + rk < hi, other=-1)
+            src_next = gl.load(src_ptr + lo + BLOCK_K + rk, mask=lo + BLOCK_K + rk < hi, other=-1)
         for r0 in range(lo, hi, BLOCK_K):
             s = it % STAGES
+            if GATHER:
+                src_after = gl.load(src_ptr + r0 + 2 * BLOCK_K + rk, mask=r0 + 2 * BLOCK_K + rk < hi, other=-1)
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), p_desc.block_type.nbytes + q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(p_desc, [r0, m0], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(q_desc, [r0, n0], ready.index(s), b_bufs.index(s))
+            if GATHER:
+                mbarrier.expect(ready.index(s), p_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(p_desc, [r0, m0], ready.index(s), a_bufs.index(s))
+                cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gather))
+                ptrs = q_ptr + src.to(gl.int64)[:, None] * stride_q + cols[None, :]
+                mask = (src >= 0)[:, None] & (cols < N)[None, :]  # padding rows: zeros
+                async_copy.async_copy_global_to_shared(b_bufs.index(s), ptrs, mask=mask)
+                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+                src = src_next
+                src_next = src_after
+            else:
+                mbarrier.expect(ready.index(s), p_desc.block_type.nbytes + q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(p_desc, [r0, m0], ready.index(s), a_bufs.index(s))
+                tma.async_copy_global_to_shared(q_desc, [r0, n0], ready.index(s), b_bufs.index(s))
             it += 1
 
 
 @gluon.jit
-def _consume(p, STAGES: gl.constexpr, c: gl.constexpr):
+def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, c: gl.constexpr):
     """Consumer c takes the program's tiles j = c, c + 2, ...; its K loop runs while the other writes."""
-    (p_desc, q_desc, a_bufs, b_bufs, ready, empty, turn, offp_ptr, out_ptr, M, N, num_m, num_n, total) = p
+    (p_desc, q_desc, a_bufs, b_bufs, ready, empty, turn, offp_ptr, out_ptr, M, N, num_m, num_n, total, q_ptr, src_ptr,
+     stride_q) = p
     BLOCK_K: gl.constexpr = p_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = p_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = q_desc.block_type.shape[1]
@@ -86,6 +115,8 @@ def _consume(p, STAGES: gl.constexpr, c: gl.constexpr):
             for kk in range(n_k):
                 s = it % STAGES
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                if GATHER:  # cp.async wrote the stage through the generic proxy; wgmma reads through the async one
+                    fence_async_shared()
                 acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
@@ -104,42 +135,54 @@ def _consume(p, STAGES: gl.constexpr, c: gl.constexpr):
 
 
 @gluon.jit
-def _consume_second(p, STAGES: gl.constexpr):
-    _consume(p, STAGES, 1)
+def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
+    _consume(p, STAGES, GATHER, 1)
 
 
 @gluon.jit
-def _wgrad_kernel(p_desc, q_desc, offp_ptr, out_ptr, M, N, num_m, num_n, total, STAGES: gl.constexpr):
+def _wgrad_kernel(p_desc, q_desc, offp_ptr, out_ptr, M, N, num_m, num_n, total, q_ptr, src_ptr, stride_q,
+                  STAGES: gl.constexpr, GATHER: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(p_desc.dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
     b_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1 + 128 * GATHER)  # the TMA's arrival (+ each gathering thread's)
         mbarrier.init(empty.index(s), count=1)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
-    p = (p_desc, q_desc, a_bufs, b_bufs, ready, empty, turn, offp_ptr, out_ptr, M, N, num_m, num_n, total)
-    gl.warp_specialize([
-        (_consume, (p, STAGES, 0)),
-        (_consume_second, (p, STAGES)),
-        (_loader, (p, STAGES)),
-    ], [4, 1], [240, 24])
+    p = (p_desc, q_desc, a_bufs, b_bufs, ready, empty, turn, offp_ptr, out_ptr, M, N, num_m, num_n, total, q_ptr, src_ptr,
+         stride_q)
+    if GATHER:  # the loader needs registers for 8 gathered pieces a thread
+        gl.warp_specialize([
+            (_consume, (p, STAGES, GATHER, 0)),
+            (_consume_second, (p, STAGES, GATHER)),
+            (_loader, (p, STAGES, GATHER)),
+        ], [4, 4], [232, 40])
+    else:
+        gl.warp_specialize([
+            (_consume, (p, STAGES, GATHER, 0)),
+            (_consume_second, (p, STAGES, GATHER)),
+            (_loader, (p, STAGES, GATHER)),
+        ], [4, 1], [240, 24])
 
 
 def _desc(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-def gluon_wgrad(p, q, offp, E, sms):
-    """out [E, M, N] = P_e^T Q_e over each expert's padded rows [offp[e], offp[e + 1])."""
+def gluon_wgrad(p, q, offp, E, sms, src=None):
+    """out [E, M, N] = P_e^T Q_e over each expert's padded rows [offp[e], offp[e + 1]); src (int32, one per padded
+    row, -1 on padding): Q_e's rows are q[src] instead (gathered)."""
     M, N = p.shape[1], q.shape[1]
     out = torch.empty(E, M, N, dtype=p.dtype, device=p.device)
     num_m, num_n = -(-M // BM), -(-N // BN)
     total = E * num_m * num_n
-    _wgrad_kernel[(min(sms, total),)](_desc(p, [BK, BM]), _desc(q, [BK, BN]), offp, out, M, N, num_m, num_n, total,
-                                      STAGES, num_warps=4, maxnreg=168)
+    gather = src is not None
+    q_desc = _desc(p[:, :BN] if gather else q, [BK, BN])  # unused when gathering: any descriptor of the block's type
+    _wgrad_kernel[(min(sms, total),)](_desc(p, [BK, BM]), q_desc, offp, out, M, N, num_m, num_n, total, q,
+                                      src if gather else offp, q.stride(0), STAGES, gather, num_warps=4, maxnreg=168)
     return out
 
 
@@ -154,7 +197,7 @@ def pad(t, offsets, offp, rows):
     return out
 
 
-def compile_sm90():
+def compile_sm90(gather):
     import subprocess
     import tempfile
 
@@ -167,14 +210,20 @@ def compile_sm90():
     pd = _desc(torch.empty(1024, 256, dtype=torch.bfloat16), [BK, BM])
     qd = _desc(torch.empty(1024, 256, dtype=torch.bfloat16), [BK, BN])
     sig = {"p_desc": mangle_type(pd), "q_desc": mangle_type(qd), "offp_ptr": "*i32", "out_ptr": "*bf16", "M": "i32",
-           "N": "i32", "num_m": "i32", "num_n": "i32", "total": "i32", "STAGES": "constexpr"}
-    k = triton.compile(GluonASTSource(_wgrad_kernel, sig, {"STAGES": STAGES}), target=GPUTarget("cuda", 90, 32),
+           "N": "i32", "num_m": "i32", "num_n": "i32", "total": "i32", "q_ptr": "*bf16", "src_ptr": "*i32",
+           "stride_q": "i32", "STAGES": "constexpr", "GATHER": "constexpr"}
+    names = list(sig)
+    # what the runtime's specialization says of 16-byte aligned pointers and multiples of 16
+    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in ("offp_ptr", "out_ptr", "M", "N", "q_ptr", "src_ptr",
+                                                                  "stride_q")}
+    k = triton.compile(GluonASTSource(_wgrad_kernel, sig, {"STAGES": STAGES, "GATHER": gather}, attrs),
+                       target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "maxnreg": 168})
     with tempfile.TemporaryDirectory() as d:
         open(d + "/k.ptx", "w").write(k.asm["ptx"])
         out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", d + "/k.ptx", "-o", d + "/k.cubin"],
                              capture_output=True, text=True)
-    print(f"shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{out.stdout}{out.stderr}")
+    print(f"GATHER={gather}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{out.stdout}{out.stderr}")
 
 
 def main():
@@ -185,7 +234,7 @@ def main():
     ap.add_argument("--compile", action="store_true")
     args = ap.parse_args()
     if args.compile:
-        return compile_sm90()
+        return [compile_sm90(g) for g in (False, True)]
 
     from power import run_sustained
 
@@ -213,20 +262,26 @@ def main():
           flush=True)
     dh, aw = rnd(S, 2 * I), rnd(S, I)
     xs, dys = expand_rows(x, pos), expand_rows(dy, pos)
-    cases = {
-        "dW_gate_up": (dh, xs, lambda: torch._grouped_mm(dh.t(), xs, offs=ends), False),
-        "dW_down": (aw, dys, lambda: torch._grouped_mm(dys.t(), aw, offs=ends), True),  # ours: its transpose
+    # the token of each padded row, -1 on padding
+    src = pad(routing.token.view(S, 1) + 1, routing.offsets, offp, rows).view(-1).to(torch.int32) - 1
+    cases = {  # P, the sorted copy of Q, Q, CUTLASS, whether ours is its transpose
+        "dW_gate_up": (dh, xs, x, lambda: torch._grouped_mm(dh.t(), xs, offs=ends), False),
+        "dW_down": (aw, dys, dy, lambda: torch._grouped_mm(dys.t(), aw, offs=ends), True),
     }
-    for name, (p, q, cutlass, transposed) in cases.items():
+    for name, (p, q, q_src, cutlass, transposed) in cases.items():
         flop = 2 * S * p.shape[1] * q.shape[1]
         pp, qp = pad(p, routing.offsets, offp, rows), pad(q, routing.offsets, offp, rows)
         want = cutlass()
-        got = gluon_wgrad(pp, qp, offp, E, sms)
-        torch.cuda.synchronize()
-        got = got.transpose(1, 2) if transposed else got
-        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-        print(f"  {name:10s} vs CUTLASS: rel err {err:.1e}, bitwise {torch.equal(got, want)}", flush=True)
-        for label, fn in (("CUTLASS", cutlass), ("Gluon ping-pong, padded", lambda: gluon_wgrad(pp, qp, offp, E, sms))):
+        for label, run in (("padded copy", lambda: gluon_wgrad(pp, qp, offp, E, sms)),
+                           ("gathered", lambda: gluon_wgrad(pp, q_src, offp, E, sms, src=src))):
+            got = run()
+            torch.cuda.synchronize()
+            got = got.transpose(1, 2) if transposed else got
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            print(f"  {name:10s} {label} vs CUTLASS: rel err {err:.1e}, bitwise {torch.equal(got, want)}", flush=True)
+        for label, fn in (("CUTLASS", cutlass), ("expand + CUTLASS", lambda: (expand_rows(q_src, pos), cutlass())),
+                          ("Gluon ping-pong, padded", lambda: gluon_wgrad(pp, qp, offp, E, sms)),
+                          ("Gluon, gathered", lambda: gluon_wgrad(pp, q_src, offp, E, sms, src=src))):
             ms, smp = run_sustained(fn, args.seconds, batch=20)
             st, mj = smp.stats(), smp.mj_per_call
             print(f"  {name:10s} {label:24s} {ms:.3f} ms/call, {'nan' if mj is None else f'{mj:.0f}'} mJ/call "
