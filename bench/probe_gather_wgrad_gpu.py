@@ -136,6 +136,23 @@ def reference(p, q, src, offsets):
     return torch.stack(out)
 
 
+def routed_inputs(H, I, E, k, T, dev):
+    """Both weight-gradient probes' inputs (bf16, seed 0): x, dy [T, H], dh [S, 2I], aw [S, I], and the routing
+    of x's rows by a random router (uneven counts, as a real one gives)."""
+    from moe_fuse.kernels.routing import route
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(torch.bfloat16)
+
+    x, dy = rnd(T, H), rnd(T, H)
+    logits = (x @ rnd(E, H, scale=H**-0.5).t()).float()
+    ids = torch.topk(logits.softmax(-1), k, dim=-1).indices.to(torch.int32)
+    routing = route(ids, E)
+    return x, dy, rnd(T * k, 2 * I), rnd(T * k, I), routing
+
+
 def check_cpu():
     """Interpreter: both layouts, an empty expert, uneven experts, against float64."""
     torch.manual_seed(0)
@@ -169,23 +186,13 @@ def main():
     from power import run_sustained
 
     from moe_fuse.kernels.permute import expand_rows
-    from moe_fuse.kernels.routing import route
 
     H, I, E, k = SHAPES[args.shape]
     T, S, dev, bf = args.tokens, args.tokens * k, "cuda", torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(bf)
-
-    x, dy = rnd(T, H), rnd(T, H)
-    logits = (x @ rnd(E, H, scale=H**-0.5).t()).float()
-    ids = torch.topk(logits.softmax(-1), k, dim=-1).indices.to(torch.int32)
-    routing = route(ids, E)
+    x, dy, dh, aw, routing = routed_inputs(H, I, E, k, T, dev)
     ends = routing.offsets[1:]
     pos = routing.pos.view(T, k)
-    dh, aw = rnd(S, 2 * I), rnd(S, I)
     print(f"{torch.cuda.get_device_name()}; {args.shape} T={T}: S={S}, rows per expert "
           f"{routing.counts.min().item()}-{routing.counts.max().item()}", flush=True)
     cases = {  # name: P, Q, out shape, transposed, CUTLASS on the copy (a, b), FLOPs

@@ -39,7 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}  # H, I, E, k
+from probe_gather_wgrad_gpu import SHAPES  # noqa: E402  (H, I, E, k)
 BM, BN, BK = 128, 128, 64
 STAGES = 5  # 32 KB a stage
 
@@ -188,7 +188,6 @@ def gluon_wgrad(p, q, offp, E, sms, src=None):
 
 def pad(t, offsets, offp, rows):
     """t's rows with each expert's segment moved to start at offp[e], zero rows between."""
-    E = offsets.numel() - 1
     counts = (offsets[1:] - offsets[:-1]).long()
     dest = torch.repeat_interleave(offp[:-1].long() - offsets[:-1].long(), counts) + torch.arange(
         int(offsets[-1]), device=t.device)
@@ -240,20 +239,12 @@ def main():
     from power import run_sustained
 
     from moe_fuse.kernels.permute import expand_rows
-    from moe_fuse.kernels.routing import route
+    from probe_gather_wgrad_gpu import routed_inputs
 
     H, I, E, k = SHAPES[args.shape]
-    T, S, dev, bf = args.tokens, args.tokens * k, "cuda", torch.bfloat16
+    T, S, dev = args.tokens, args.tokens * k, "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(bf)
-
-    x, dy = rnd(T, H), rnd(T, H)
-    logits = (x @ rnd(E, H, scale=H**-0.5).t()).float()
-    ids = torch.topk(logits.softmax(-1), k, dim=-1).indices.to(torch.int32)
-    routing = route(ids, E)
+    x, dy, dh, aw, routing = routed_inputs(H, I, E, k, T, dev)  # the Triton probe's inputs, the same draws
     ends = routing.offsets[1:]
     pos = routing.pos.view(T, k)
     padded = (routing.counts.long() + BK - 1) // BK * BK
@@ -261,7 +252,6 @@ def main():
     rows = int(offp[-1])
     print(f"{torch.cuda.get_device_name()}; {args.shape} T={T}: S={S}, padded rows {rows} (+{rows / S - 1:.1%})",
           flush=True)
-    dh, aw = rnd(S, 2 * I), rnd(S, I)
     xs, dys = expand_rows(x, pos), expand_rows(dy, pos)
     # the token of each padded row, -1 on padding
     src = pad(routing.token.view(S, 1) + 1, routing.offsets, offp, rows).view(-1).to(torch.int32) - 1
