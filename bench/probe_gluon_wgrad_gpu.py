@@ -19,7 +19,9 @@ needed: a layout the sorted copies could take in the product, since moe_fuse wri
 
 Two loaders: TMA of the padded copy of Q (one warp), or the gather (GATHER: four warps, each thread
 cp.async-copies 8 16-byte pieces of the stage's rows x[src[r]] and arrives on the stage's barrier when
-they land, ``cp.async.mbarrier.arrive.noinc``). Results: bench/results/probe_gluon_wgrad*_2026-12-02.log.
+they land, ``cp.async.mbarrier.arrive.noinc``, the consumers fencing each stage before its wgmma; or, with
+``--lags L``, the loader waits for the stage L steps back, fences it and arrives once). Results:
+bench/results/probe_gluon_wgrad*_2026-12-02.log.
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from probe_gather_wgrad_gpu import SHAPES  # noqa: E402  (H, I, E, k)
 BM, BN, BK = 128, 128, 64
 STAGES = 5  # 32 KB a stage
+LAG = 3  # the gathering loader fences and signals a stage this many steps after issuing it
 
 
 @gluon.jit
-def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
+def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, LAG: gl.constexpr):
     """TMA of P's stage; Q's by TMA of the sorted copy, or (GATHER) gathered rows through cp.async: every
     thread of this 4-warp partition copies its 16-byte pieces and arrives on the stage when they land."""
     (p_desc, q_desc, a_bufs, b_bufs, ready, empty, turn, offp_ptr, out_ptr, M, N, num_m, num_n, total, q_ptr, src_ptr,
@@ -79,7 +82,14 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
                 ptrs = q_ptr + src.to(gl.int64)[:, None] * stride_q + cols[None, :]
                 mask = (src >= 0)[:, None] & (cols < N)[None, :]  # padding rows: zeros
                 async_copy.async_copy_global_to_shared(b_bufs.index(s), ptrs, mask=mask)
-                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+                if LAG == 0:  # each thread arrives when its copies land; the consumers fence
+                    async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+                else:  # the stage LAG steps back has landed: fence it here and arrive once, for the partition
+                    async_copy.commit_group()
+                    if it >= LAG:
+                        async_copy.wait_group(LAG)
+                        fence_async_shared()
+                        mbarrier.arrive(ready.index((it - LAG) % STAGES))
                 src = src_next
                 src_next = src_after
             else:
@@ -87,10 +97,15 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
                 tma.async_copy_global_to_shared(p_desc, [r0, m0], ready.index(s), a_bufs.index(s))
                 tma.async_copy_global_to_shared(q_desc, [r0, n0], ready.index(s), b_bufs.index(s))
             it += 1
+    if GATHER and LAG > 0:  # the last LAG stages
+        async_copy.wait_group(0)
+        fence_async_shared()
+        for j in range(gl.maximum(it - LAG, 0), it):
+            mbarrier.arrive(ready.index(j % STAGES))
 
 
 @gluon.jit
-def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, c: gl.constexpr):
+def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, LAG: gl.constexpr, c: gl.constexpr):
     """Consumer c takes the program's tiles j = c, c + 2, ...; its K loop runs while the other writes."""
     (p_desc, q_desc, a_bufs, b_bufs, ready, empty, turn, offp_ptr, out_ptr, M, N, num_m, num_n, total, q_ptr, src_ptr,
      stride_q) = p
@@ -115,8 +130,8 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, c: gl.constexpr):
             for kk in range(n_k):
                 s = it % STAGES
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                if GATHER:  # cp.async wrote the stage through the generic proxy; wgmma reads through the async one
-                    fence_async_shared()
+                if GATHER and LAG == 0:  # cp.async wrote the stage through the generic proxy; wgmma reads through
+                    fence_async_shared()  # the async one (with LAG, the loader fenced it)
                 acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
@@ -135,19 +150,20 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, c: gl.constexpr):
 
 
 @gluon.jit
-def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
-    _consume(p, STAGES, GATHER, 1)
+def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr, LAG: gl.constexpr):
+    _consume(p, STAGES, GATHER, LAG, 1)
 
 
 @gluon.jit
 def _wgrad_kernel(p_desc, q_desc, offp_ptr, out_ptr, M, N, num_m, num_n, total, q_ptr, src_ptr, stride_q,
-                  STAGES: gl.constexpr, GATHER: gl.constexpr):
+                  STAGES: gl.constexpr, GATHER: gl.constexpr, LAG: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(p_desc.dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
     b_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1 + 128 * GATHER)  # the TMA's arrival (+ each gathering thread's)
+        # the TMA's arrival, and each gathering thread's (LAG 0) or the gathering partition's
+        mbarrier.init(ready.index(s), count=1 + (GATHER * (128 if LAG == 0 else 1)))
         mbarrier.init(empty.index(s), count=1)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(turn.index(0), count=1)
@@ -156,15 +172,15 @@ def _wgrad_kernel(p_desc, q_desc, offp_ptr, out_ptr, M, N, num_m, num_n, total, 
          stride_q)
     if GATHER:  # the loader needs registers for 8 gathered pieces a thread
         gl.warp_specialize([
-            (_consume, (p, STAGES, GATHER, 0)),
-            (_consume_second, (p, STAGES, GATHER)),
-            (_loader, (p, STAGES, GATHER)),
+            (_consume, (p, STAGES, GATHER, LAG, 0)),
+            (_consume_second, (p, STAGES, GATHER, LAG)),
+            (_loader, (p, STAGES, GATHER, LAG)),
         ], [4, 4], [216, 72])
     else:
         gl.warp_specialize([
-            (_consume, (p, STAGES, GATHER, 0)),
-            (_consume_second, (p, STAGES, GATHER)),
-            (_loader, (p, STAGES, GATHER)),
+            (_consume, (p, STAGES, GATHER, LAG, 0)),
+            (_consume_second, (p, STAGES, GATHER, LAG)),
+            (_loader, (p, STAGES, GATHER, LAG)),
         ], [4, 1], [240, 24])
 
 
@@ -172,7 +188,7 @@ def _desc(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-def gluon_wgrad(p, q, offp, E, sms, src=None):
+def gluon_wgrad(p, q, offp, E, sms, src=None, lag=0):
     """out [E, M, N] = P_e^T Q_e over each expert's padded rows [offp[e], offp[e + 1]); src (int32, one per padded
     row, -1 on padding): Q_e's rows are q[src] instead (gathered)."""
     M, N = p.shape[1], q.shape[1]
@@ -180,9 +196,14 @@ def gluon_wgrad(p, q, offp, E, sms, src=None):
     num_m, num_n = -(-M // BM), -(-N // BN)
     total = E * num_m * num_n
     gather = src is not None
+    # the consumers free a stage one step after its MMA, so the loader waits on stage it - STAGES + 1 before
+    # signalling stage it - lag: past STAGES - 2 it waits on itself
+    if not 0 <= lag <= STAGES - 2:
+        raise ValueError(f"lag must be in [0, STAGES - 2 = {STAGES - 2}], got {lag}")
     q_desc = _desc(p[:, :BN] if gather else q, [BK, BN])  # unused when gathering: any descriptor of the block's type
     _wgrad_kernel[(min(sms, total),)](_desc(p, [BK, BM]), q_desc, offp, out, M, N, num_m, num_n, total, q,
-                                      src if gather else offp, q.stride(0), STAGES, gather, num_warps=4, maxnreg=168)
+                                      src if gather else offp, q.stride(0), STAGES, gather, lag, num_warps=4,
+                                      maxnreg=168)
     return out
 
 
@@ -196,7 +217,7 @@ def pad(t, offsets, offp, rows):
     return out
 
 
-def compile_sm90(gather):
+def compile_sm90(gather, lag=0):
     import subprocess
     import tempfile
 
@@ -210,19 +231,20 @@ def compile_sm90(gather):
     qd = _desc(torch.empty(1024, 256, dtype=torch.bfloat16), [BK, BN])
     sig = {"p_desc": mangle_type(pd), "q_desc": mangle_type(qd), "offp_ptr": "*i32", "out_ptr": "*bf16", "M": "i32",
            "N": "i32", "num_m": "i32", "num_n": "i32", "total": "i32", "q_ptr": "*bf16", "src_ptr": "*i32",
-           "stride_q": "i32", "STAGES": "constexpr", "GATHER": "constexpr"}
+           "stride_q": "i32", "STAGES": "constexpr", "GATHER": "constexpr",
+           "LAG": "constexpr"}
     names = list(sig)
     # what the runtime's specialization says of 16-byte aligned pointers and multiples of 16
     attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in ("offp_ptr", "out_ptr", "M", "N", "q_ptr", "src_ptr",
                                                                   "stride_q")}
-    k = triton.compile(GluonASTSource(_wgrad_kernel, sig, {"STAGES": STAGES, "GATHER": gather}, attrs),
+    k = triton.compile(GluonASTSource(_wgrad_kernel, sig, {"STAGES": STAGES, "GATHER": gather, "LAG": lag}, attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "maxnreg": 168})
     with tempfile.TemporaryDirectory() as d:
         open(d + "/k.ptx", "w").write(k.asm["ptx"])
         out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", d + "/k.ptx", "-o", d + "/k.cubin"],
                              capture_output=True, text=True)
-    print(f"GATHER={gather}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{out.stdout}{out.stderr}")
+    print(f"GATHER={gather} LAG={lag}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{out.stdout}{out.stderr}")
 
 
 def main():
@@ -231,10 +253,13 @@ def main():
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--lags", type=lambda v: [int(x) for x in v.split(",")], default=[0, LAG],
+                    help="gathered variants: 0 = per-thread noinc arrivals, consumers fence; L > 0 = the loader "
+                         "fences and signals each stage L steps after issuing it")
     ap.add_argument("--once", action="store_true", help="dW_gate_up once per loader, nothing timed (for ncu)")
     args = ap.parse_args()
     if args.compile:
-        return [compile_sm90(g) for g in (False, True)]
+        return [compile_sm90(g, lag) for g, lag in ((False, 0), (True, 0), (True, LAG))]
 
     from power import run_sustained
 
@@ -270,19 +295,20 @@ def main():
         flop = 2 * S * p.shape[1] * q.shape[1]
         pp, qp = pad(p, routing.offsets, offp, rows), pad(q, routing.offsets, offp, rows)
         want = cutlass()
-        for label, run in (("padded copy", lambda: gluon_wgrad(pp, qp, offp, E, sms)),
-                           ("gathered", lambda: gluon_wgrad(pp, q_src, offp, E, sms, src=src))):
+        ours = {"Gluon ping-pong, padded": lambda: gluon_wgrad(pp, qp, offp, E, sms)}
+        for lag in args.lags:
+            ours[f"Gluon, gathered, lag {lag}"] = lambda lag=lag: gluon_wgrad(pp, q_src, offp, E, sms, src=src, lag=lag)
+        for label, run in ours.items():
             got = run()
             torch.cuda.synchronize()
             got = got.transpose(1, 2) if transposed else got
             err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-            print(f"  {name:10s} {label} vs CUTLASS: rel err {err:.1e}, bitwise {torch.equal(got, want)}", flush=True)
-        for label, fn in (("CUTLASS", cutlass), ("expand + CUTLASS", lambda: (expand_rows(q_src, pos), cutlass())),
-                          ("Gluon ping-pong, padded", lambda: gluon_wgrad(pp, qp, offp, E, sms)),
-                          ("Gluon, gathered", lambda: gluon_wgrad(pp, q_src, offp, E, sms, src=src))):
+            print(f"  {name:10s} {label:26s} vs CUTLASS: rel err {err:.1e}, bitwise {torch.equal(got, want)}", flush=True)
+        for label, fn in {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(q_src, pos), cutlass()),
+                          **ours}.items():
             ms, smp = run_sustained(fn, args.seconds, batch=20)
             st, mj = smp.stats(), smp.mj_per_call
-            print(f"  {name:10s} {label:24s} {ms:.3f} ms/call, {'nan' if mj is None else f'{mj:.0f}'} mJ/call "
+            print(f"  {name:10s} {label:26s} {ms:.3f} ms/call, {'nan' if mj is None else f'{mj:.0f}'} mJ/call "
                   f"({flop / ms / 1e9:.0f} TFLOP/s), {st.get('watts', float('nan')):.0f} W, "
                   f"{st.get('sm_mhz', float('nan')):.0f} MHz, capped {st.get('capped', float('nan')):.0%}", flush=True)
 

@@ -110,10 +110,23 @@ SWITCHED = {
 }
 
 
+def switches(name):
+    """SWITCHED[name], or for "moe_fuse@ATTR=VALUE@..." those grouped_mm_path attributes (ints, None, True,
+    False)."""
+    if name in SWITCHED:
+        return SWITCHED[name]
+    parsed = []
+    for item in name.split("@")[1:]:
+        attr, value = item.split("=")
+        parsed.append((attr, {"None": None, "True": True, "False": False}.get(value) if value in ("None", "True", "False")
+                       else int(value)))
+    return tuple(parsed)
+
+
 def backend_step(name, block, x, dy, params, compiled):
     """One layer step under backend ``name``, or under moe_fuse with a SWITCHED kernel switch. The first
     time a switched step and moe_fuse's both exist, their gradients are compared bitwise."""
-    if name not in SWITCHED:
+    if name not in SWITCHED and "@" not in name:
         return layer_step(torch.compile(block, backend=name), x, dy, params)
     import importlib
 
@@ -121,8 +134,8 @@ def backend_step(name, block, x, dy, params, compiled):
     inner = layer_step(torch.compile(block, backend="moe_fuse"), x, dy, params)
 
     def step():
-        before = [(attr, getattr(module, attr)) for attr, _ in SWITCHED[name]]
-        for attr, value in SWITCHED[name]:
+        before = [(attr, getattr(module, attr)) for attr, _ in switches(name)]
+        for attr, value in switches(name):
             setattr(module, attr, value)
         try:
             inner()
