@@ -232,13 +232,34 @@ def experts_backward(
             dy.contiguous(), x.contiguous(), ids, weights, w_gate_up, w_down, swiglu_limit=swiglu_limit,
             glu_alpha=glu_alpha, activation=activation,
         )
-    return tuple(g.contiguous() for g in grads)
+    dx, d_weights, d_wgu, d_wd = grads
+    return dx.contiguous(), d_weights.contiguous(), in_layout_of(d_wgu, w_gate_up), in_layout_of(d_wd, w_down)
+
+
+def weight_layout(w: Tensor) -> Tensor:
+    """An empty tensor shaped like expert weights w, with w's strides where w is dense (a contiguous tensor, or
+    the transpose of one over its last two dims: a model that stores [E, in, out]), else contiguous.
+
+    The weight gradients come in that layout, so the gradient of a transposed view reaches the parameter
+    without a copy. The real and the fake implementation both ask this."""
+    if kernels.transposed(w):
+        return w.new_empty((w.shape[0], w.shape[2], w.shape[1])).transpose(1, 2)
+    return w.new_empty(w.shape)
+
+
+def in_layout_of(g: Tensor, w: Tensor) -> Tensor:
+    """The gradient g of expert weights w in ``weight_layout(w)`` (a copy only where the kernels made another)."""
+    want = weight_layout(w)
+    if g.stride() == want.stride():
+        return g
+    return want.copy_(g)
 
 
 @torch.library.register_fake("moe_fuse::experts_backward")
 def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, swiglu_limit=None, glu_alpha=None, activation="silu"):
     fmt = torch.contiguous_format
-    return tuple(torch.empty_like(t, memory_format=fmt) for t in (x, weights, w_gate_up, w_down))
+    return (torch.empty_like(x, memory_format=fmt), torch.empty_like(weights, memory_format=fmt),
+            weight_layout(w_gate_up), weight_layout(w_down))
 
 
 def _experts_setup_context(ctx, inputs, output):

@@ -96,6 +96,30 @@ def test_forward_and_backward_match_reference(name, monkeypatch):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.parametrize("name", ["uneven_bf16", "ep_sentinels_fp32"])
+def test_weights_stored_transposed(name, monkeypatch):
+    """Weights stored [E, in, out] come as transposed views: the GEMMs read them in place (ragged_gemm in the
+    other operand layout, torch._grouped_mm as they are), the results equal those of contiguous weights, and the
+    weight gradients come in the stored layout."""
+    T, k, E, H, I, dtype, mode = CASES[name]
+    args = make_case(T, k, E, H, I, dtype, mode, seed=5)
+    x, ids, weights, w_gate_up, w_down = args
+    views = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_gate_up, w_down)]
+    assert all(kernels.transposed(v) for v in views)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+    with poisoned_buffers(monkeypatch):
+        want = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
+        got = grouped_mm_path.experts_forward(x, ids, weights, *views, save_h=True, keep_rows=True)
+    routed = int(want[2].offsets[-1])
+    tol = TOL[dtype] / 100  # torch's CPU fallback sums in another order for the other layout (fp32 bits differ)
+    assert rel_err(got[0], want[0]) < tol and rel_err(got[1][:routed], want[1][:routed]) < tol
+    g_want = grouped_mm_path.experts_backward(dy, *args, want[1], routing=want[2], xs=want[3], aw=want[4])
+    g_got = grouped_mm_path.experts_backward(dy, x, ids, weights, *views, got[1], routing=got[2], xs=got[3], aw=got[4])
+    for n, g, r in zip(NAMES, g_got, g_want):
+        assert rel_err(g, r) < tol, n
+    assert g_got[2].stride() == views[0].stride() and g_got[3].stride() == views[1].stride()
+
+
 def test_backward_reads_the_kept_operands_and_names_bad_ones():
     """dW_down is computed from the aw handed in (not a recomputed one); a kept tensor of the wrong shape is an error."""
     T, k, E, H, I, dtype, mode = CASES["uneven_fp32"]
@@ -160,6 +184,21 @@ def test_dispatch_takes_the_path_for_training_only(monkeypatch):
     empty = [t[:0] for t in args[:3]] + args[3:]
     assert kernels.experts_forward(*empty, save_h=True, keep_rows=True)[3:] == (None, None)  # S = 0: the Triton path
     assert len(calls) == 3
+
+
+def test_dispatch_of_weights_stored_transposed(monkeypatch):
+    """With weights stored transposed the forward without h takes the path too (the fused Triton forward would
+    read them through pointer loads), with the same y as the Triton kernels on contiguous weights."""
+    calls = []
+    real = grouped_mm_path.experts_forward
+    monkeypatch.setattr(grouped_mm_path, "experts_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(grouped_mm_path, "applies", lambda *a: True)
+    x, ids, weights, w_gate_up, w_down = make_case(12, 2, 4, 16, 8, torch.float32, seed=6)
+    views = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_gate_up, w_down)]
+    want = kernels.experts_forward(x, ids, weights, w_gate_up, w_down)
+    assert calls == []
+    got = kernels.experts_forward(x, ids, weights, *views)
+    assert calls == [1] and rel_err(got, want) < 1e-6
 
 
 def test_ragged_gemm_from_min_rows_up(monkeypatch):

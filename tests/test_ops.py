@@ -68,6 +68,34 @@ def test_experts_all_tokens_on_one_expert_and_empty_experts():
     torch.testing.assert_close(got, naive_experts(x, ids, weights, w_gate_up, w_down))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # the reference; the Triton kernels
+def test_experts_of_weights_stored_transposed(dtype):
+    """Weights stored [E, in, out] (Aria, GPT-OSS) reach the op as transposed views: the same output and
+    gradients as contiguous copies, and weight gradients in the stored layout, so that the gradient of the view
+    lands on the parameter without a copy; opcheck compares the fake implementation's strides with the real."""
+    x, ids, weights, w_gate_up, w_down = (t.to(dtype) if t.is_floating_point() else t for t in random_case(k=2))
+    stored = [w.transpose(1, 2).contiguous().requires_grad_() for w in (w_gate_up, w_down)]
+    views = [w.transpose(1, 2) for w in stored]
+    assert not views[0].is_contiguous()
+    leaves = [t.requires_grad_() for t in (x, weights, w_gate_up, w_down)]
+    tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    want = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, True)
+    got = torch.ops.moe_fuse.experts(x, ids, weights, *views, True)
+    torch.testing.assert_close(got[0], want[0], **tol)
+    dy = torch.randn_like(want[0])
+    g_want = torch.autograd.grad(want[0], leaves, dy)
+    g_got = torch.autograd.grad(got[0], [x, weights, *stored], dy)
+    for name, g, r in zip(("dx", "d_weights", "d_w_gate_up", "d_w_down"), g_got, g_want):
+        if g.dim() == 3:
+            assert g.is_contiguous(), name  # [E, in, out], as stored
+            g = g.transpose(1, 2)
+        torch.testing.assert_close(g, r, **tol, msg=name)
+    args = [t.detach() for t in (dy, x, ids, weights, *views, *got[1:])]
+    d_wgu, d_wd = torch.ops.moe_fuse.experts_backward(*args)[2:]
+    assert d_wgu.stride() == views[0].stride() and d_wd.stride() == views[1].stride()
+    opcheck(torch.ops.moe_fuse.experts_backward.default, tuple(args))
+
+
 @pytest.mark.parametrize("renorm", [True, False])
 def test_router_matches_definition(renorm):
     gen = torch.Generator().manual_seed(1)

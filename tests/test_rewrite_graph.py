@@ -74,3 +74,39 @@ def test_functional_grouped_mm_spelling(tmp_path):
     assert sorted(m["pattern"] for m in report["matches"]) == ["grouped_mm_experts", "softmax_topk_router"]
     want = block(x)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 3e-2
+
+
+class TestRewrittenTransposedGraph(expecttest.TestCase):
+    def test_aria_block_weights_stored_transposed(self):
+        """Aria stores its expert weights [E, in, out]: the op reads transposed views of the parameters."""
+        import families as F
+
+        model, _ = F.build("aria")
+        block = model.model.layers[0].mlp
+        H = model.config.hidden_size
+        self.assertExpectedInline(rewritten_code(block, torch.randn(2, 5, H)), """\
+def forward(self, L_hidden_states_ : torch.Tensor, L_self_modules_router_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_experts_parameters_gate_up_proj_ : torch.nn.parameter.Parameter, L_self_modules_experts_parameters_down_proj_ : torch.nn.parameter.Parameter, L_self_modules_shared_experts_modules_gate_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_shared_experts_modules_up_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_shared_experts_modules_down_proj_parameters_weight_ : torch.nn.parameter.Parameter):
+    l_hidden_states_ = L_hidden_states_
+    l_self_modules_router_parameters_weight_ = L_self_modules_router_parameters_weight_
+    l_self_modules_experts_parameters_gate_up_proj_ = L_self_modules_experts_parameters_gate_up_proj_
+    l_self_modules_experts_parameters_down_proj_ = L_self_modules_experts_parameters_down_proj_
+    l_self_modules_shared_experts_modules_gate_proj_parameters_weight_ = L_self_modules_shared_experts_modules_gate_proj_parameters_weight_
+    l_self_modules_shared_experts_modules_up_proj_parameters_weight_ = L_self_modules_shared_experts_modules_up_proj_parameters_weight_
+    l_self_modules_shared_experts_modules_down_proj_parameters_weight_ = L_self_modules_shared_experts_modules_down_proj_parameters_weight_
+    hidden_states = l_hidden_states_.view(-1, 32);  l_hidden_states_ = None
+    router_topk_softmax_default = torch.ops.moe_fuse.router_topk_softmax.default(hidden_states, l_self_modules_router_parameters_weight_, None, 2, 'fp32_inputs', torch.float32, 1.0, torch.float32);  l_self_modules_router_parameters_weight_ = None
+    getitem_11 = router_topk_softmax_default[1]
+    getitem_12 = router_topk_softmax_default[2];  router_topk_softmax_default = None
+    transpose = l_self_modules_experts_parameters_gate_up_proj_.transpose(-2, -1);  l_self_modules_experts_parameters_gate_up_proj_ = None
+    transpose_1 = l_self_modules_experts_parameters_down_proj_.transpose(-2, -1);  l_self_modules_experts_parameters_down_proj_ = None
+    experts_default = torch.ops.moe_fuse.experts.default(hidden_states, getitem_12, getitem_11, transpose, transpose_1, True);  getitem_12 = getitem_11 = transpose = transpose_1 = None
+    getitem_9 = experts_default[0];  experts_default = None
+    expert_output = getitem_9.view((2, 5, 32));  getitem_9 = None
+    view_3 = hidden_states.view((2, 5, 32));  hidden_states = None
+    linear_1 = torch._C._nn.linear(view_3, l_self_modules_shared_experts_modules_gate_proj_parameters_weight_, None);  l_self_modules_shared_experts_modules_gate_proj_parameters_weight_ = None
+    silu_1 = torch.nn.functional.silu(linear_1);  linear_1 = None
+    linear_2 = torch._C._nn.linear(view_3, l_self_modules_shared_experts_modules_up_proj_parameters_weight_, None);  view_3 = l_self_modules_shared_experts_modules_up_proj_parameters_weight_ = None
+    mul_2 = silu_1 * linear_2;  silu_1 = linear_2 = None
+    down_proj = torch._C._nn.linear(mul_2, l_self_modules_shared_experts_modules_down_proj_parameters_weight_, None);  mul_2 = l_self_modules_shared_experts_modules_down_proj_parameters_weight_ = None
+    add = expert_output + down_proj;  expert_output = down_proj = None
+    return (add,)""")

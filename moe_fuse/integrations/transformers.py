@@ -6,9 +6,9 @@
 
 registers a forward ``(self, hidden_states, top_k_index, top_k_weights) -> Tensor``
 in transformers' ``ALL_EXPERTS_FUNCTIONS``. On an experts module with the
-standard layout (gate_up [E, 2I, H] with the gate rows first, down [E, H, I], no
-bias, not transposed, silu or tanh-approximated gelu, no post-expert norm, transformers' own gating, its
-clamped SwiGLU (``swiglu_limit``) or the GPT-OSS-style gate on those clamps (``swiglu_alpha``)) it is
+standard layout (gate_up [E, 2I, H] with the gate rows first, down [E, H, I], or both
+stored transposed: ``is_transposed``; no bias, silu or tanh-approximated gelu, no post-expert
+norm, transformers' own gating, its clamped SwiGLU (``swiglu_limit``) or the GPT-OSS-style gate on those clamps (``swiglu_alpha``)) it is
 one ``torch.ops.moe_fuse.experts`` call, forward and backward. Any other module
 runs transformers' ``grouped_mm`` forward instead, with a warning (once per
 module class and reason) that says why.
@@ -71,8 +71,6 @@ def unsupported_reason(module) -> str | None:
 
     if not getattr(module, "has_gate", False):
         return "experts without a gate (an up projection only)"
-    if getattr(module, "is_transposed", False):
-        return "expert weights stored transposed ([E, in, out])"
     if getattr(module, "has_bias", False):
         return "expert projections with a bias"
     if not getattr(module, "is_concatenated", True):
@@ -88,11 +86,20 @@ def unsupported_reason(module) -> str | None:
         w = getattr(module, name, None)
         if not isinstance(w, torch.Tensor) or w.dim() != 3:
             return f"no 3-D {name} parameter"
-    E, two_i, H = module.gate_up_proj.shape
-    if two_i % 2 or tuple(module.down_proj.shape) != (E, H, two_i // 2):
+    w_gate_up, w_down = _op_weights(module)
+    E, two_i, H = w_gate_up.shape
+    if two_i % 2 or tuple(w_down.shape) != (E, H, two_i // 2):
+        layout = "[E, H, 2I] and [E, I, H]" if getattr(module, "is_transposed", False) else "[E, 2I, H] and [E, H, I]"
         return f"gate_up_proj {tuple(module.gate_up_proj.shape)} and down_proj {tuple(module.down_proj.shape)} " \
-               "are not [E, 2I, H] and [E, H, I]"
+               f"are not {layout}"
     return None
+
+
+def _op_weights(module):
+    """(W_gate_up [E, 2I, H], W_down [E, H, I]) as the op takes them: views of weights stored transposed."""
+    if getattr(module, "is_transposed", False):
+        return module.gate_up_proj.transpose(-2, -1), module.down_proj.transpose(-2, -1)
+    return module.gate_up_proj, module.down_proj
 
 
 _PROVEN_GATES: dict = {}
@@ -168,7 +175,7 @@ def moe_fuse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: tor
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
 
-    args = (hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+    args = (hidden_states, top_k_index, top_k_weights, *_op_weights(self))
     # Keep h for the backward only when there will be one (the op's docstring says why).
     save_h = torch.is_grad_enabled() and any(t.requires_grad for t in args)
     return torch.ops.moe_fuse.experts(*args, save_h, *experts_gate_args(self))[0]

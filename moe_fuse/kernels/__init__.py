@@ -27,6 +27,12 @@ are jitted at first launch (see _jit.py).
 """
 
 
+def transposed(w) -> bool:
+    """Expert weights given as the transpose of a contiguous [E, in, out] tensor (models that store them so:
+    Aria, GPT-OSS), not contiguous themselves. Their weight gradients come in that layout too."""
+    return w.dim() == 3 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous()
+
+
 def uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool:
     """True when the training forward (save_h) and the backward of these inputs take grouped_mm_path.
 
@@ -50,9 +56,12 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     from . import grouped_mm_path
     from .forward import experts_forward as impl
 
-    if save_h and uses_grouped_mm(x, ids, w_gate_up, w_down):
+    # Weights stored transposed take the path without h too: the fused Triton GEMMs would read them through
+    # pointer loads (their TMA descriptors need the contiguous layout).
+    stored_transposed = transposed(w_gate_up) or transposed(w_down)
+    if (save_h or stored_transposed) and uses_grouped_mm(x, ids, w_gate_up, w_down):
         return grouped_mm_path.experts_forward(
-            x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=keep_rows, swiglu_limit=swiglu_limit,
+            x, ids, weights, w_gate_up, w_down, save_h=save_h, keep_rows=keep_rows, swiglu_limit=swiglu_limit,
             glu_alpha=glu_alpha, activation=activation,
         )
     out = impl(x, ids, weights, w_gate_up, w_down, save_h=save_h, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
@@ -130,5 +139,5 @@ def __getattr__(name):
 
 __all__ = [
     "Routing", "experts_backward", "experts_forward", "route", "routing_buffer_size", "routing_from_buffer",
-    "softmax_topk", "softmax_topk_backward", "supports", "uses_grouped_mm",
+    "softmax_topk", "softmax_topk_backward", "supports", "transposed", "uses_grouped_mm",
 ]

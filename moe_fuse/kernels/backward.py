@@ -46,6 +46,7 @@ from ..reference import limit_in
 from ._jit import cdiv, interpreting, lazy_jit, next_power_of_2
 from .combine import combine
 from .forward import supports
+from . import transposed
 from .grouped_gemm import GemmConfig, _dot_precision, _m_tiles_bound, _tma_ok, default_config
 from .routing import Routing, route
 
@@ -899,7 +900,8 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
     sentinels, zero contribution and zero gradient), weights [T, k], w_gate_up [E, 2I, H],
     w_down [E, H, I]; h: the forward's saved pre-activation (``experts_forward(save_h=True)``),
     or None to recompute it; routing: the forward's (``route(ids, E)``), or None to route again.
-    Outputs are contiguous, in the dtypes of x, weights, w_gate_up, w_down.
+    Outputs are contiguous, in the dtypes of x, weights, w_gate_up, w_down, except that the gradient of a weight
+    given as the transpose of a contiguous tensor is the transpose of a contiguous one too.
     """
     T, H = x.shape
     k = ids.shape[1]
@@ -942,14 +944,22 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
         # or reused while it still runs.
         side.wait_stream(main)
     with torch.cuda.stream(side):  # None: stay on the current stream
-        d_wgu = wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad, experts_by_load=by_load)
+        if transposed(w_gate_up):  # written as the [E, H, 2I] the model stores (ops.weight_layout)
+            d_wgu = wgrad(x, True, dh, False, routing, E, k, w_gate_up.dtype, config=cfg.wgrad,
+                          experts_by_load=by_load).transpose(1, 2)
+        else:
+            d_wgu = wgrad(dh, False, x, True, routing, E, k, w_gate_up.dtype, config=cfg.wgrad, experts_by_load=by_load)
     if side is not None:
         d_wgu.record_stream(main)  # allocated on the side stream, used (and freed) on this one
     # Slots in the GEMM dtype (fp32 if x is fp32): half the traffic of fp32 slots; the sum over k is fp32.
     slots = dx_slots(dh, routing, w_gate_up, torch.promote_types(x.dtype, w_gate_up.dtype), config=cfg.dx)
     dx = combine(slots, ids, E, x.dtype)
-    d_wd = wgrad(dy, True, aw, False, routing, E, k, w_down.dtype, config=cfg.wgrad_down or cfg.wgrad,
-                 experts_by_load=by_load)
+    if transposed(w_down):
+        d_wd = wgrad(aw, False, dy, True, routing, E, k, w_down.dtype, config=cfg.wgrad_down or cfg.wgrad,
+                     experts_by_load=by_load).transpose(1, 2)
+    else:
+        d_wd = wgrad(dy, True, aw, False, routing, E, k, w_down.dtype, config=cfg.wgrad_down or cfg.wgrad,
+                     experts_by_load=by_load)
     if side is not None:
         main.wait_stream(side)
     return dx, d_weights.view(T, k), d_wgu, d_wd

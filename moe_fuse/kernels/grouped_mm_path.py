@@ -37,6 +37,7 @@ import triton.language as tl
 from ..reference import limit_in
 from ._jit import cdiv, interpreting, lazy_jit
 from . import gluon_ragged
+from . import transposed
 from .backward import check_saved_h, dswiglu
 from .permute import combine_sorted, expand_rows
 from .ragged_gemm import ragged_gemm, tile_map
@@ -64,8 +65,8 @@ _CAPABILITY: dict = {}
 
 
 def applies(x, w_gate_up, w_down, *others) -> bool:
-    """CUDA sm90+, x, the weights and ``others`` all bf16, contiguous 16-byte aligned weights, H and I
-    multiples of 8.
+    """CUDA sm90+, x, the weights and ``others`` all bf16, 16-byte aligned weights that are contiguous or
+    ``transposed``, H and I multiples of 8.
 
     (CUTLASS wants 16-byte aligned rows in both operand layouts; the Triton kernels take any strides.)
     Reads only metadata (alignment from the storage offset: the allocator's blocks start 512-byte
@@ -73,7 +74,8 @@ def applies(x, w_gate_up, w_down, *others) -> bool:
     """
     if not (ENABLED and x.is_cuda and hasattr(torch, "_grouped_mm") and not interpreting()):
         return False
-    if not all(w.is_contiguous() and w.storage_offset() * w.element_size() % 16 == 0 for w in (w_gate_up, w_down)):
+    if not all((w.is_contiguous() or transposed(w)) and w.storage_offset() * w.element_size() % 16 == 0
+               for w in (w_gate_up, w_down)):
         return False
     if not all(t.dtype == torch.bfloat16 for t in (x, w_gate_up, w_down, *others)):
         return False
@@ -154,18 +156,22 @@ def swiglu(h: torch.Tensor, routing: Routing, rw: torch.Tensor, swiglu_limit: fl
 def _row_gemm(a, w, tiles, ends, *, w_kmajor):
     """a[p] @ W[e] for each expert's rows: W[e] = w[e]^T with ``w_kmajor`` (nn.Linear weights), else w[e].
 
-    tiles: ``tile_map(routing.offsets, S)``, or None for ``torch._grouped_mm`` (``_tiles``)."""
+    tiles: ``tile_map(routing.offsets, S)``, or None for ``torch._grouped_mm`` (``_tiles``). A ``transposed`` w
+    goes to the Triton GEMM as the contiguous tensor it is a view of, in the other operand layout."""
+    if tiles is not None and transposed(w):
+        return ragged_gemm(a, w.transpose(1, 2), tiles, b_kmajor=not w_kmajor)
     if tiles is not None:
         N, K = (w.shape[1], w.shape[2]) if w_kmajor else (w.shape[2], w.shape[1])
-        if GLUON and gluon_ragged.suits(N, K) and a.is_contiguous():
+        if GLUON and gluon_ragged.suits(N, K) and a.is_contiguous() and w.is_contiguous():
             return gluon_ragged.ragged_gemm(a, w, tiles, b_kmajor=w_kmajor)
         return ragged_gemm(a, w, tiles, b_kmajor=w_kmajor)
     return torch._grouped_mm(a, w.transpose(1, 2) if w_kmajor else w, offs=ends)
 
 
-def _fused(switch: bool, tiles, N: int, K: int) -> bool:
-    """Whether a GEMM of B[e] [K, N] runs the Gluon kernel with its pass in the epilogue."""
-    return switch and tiles is not None and gluon_ragged.suits(N, K)
+def _fused(switch: bool, tiles, N: int, K: int, w) -> bool:
+    """Whether a GEMM of B[e] [K, N] runs the Gluon kernel with its pass in the epilogue (w: the expert weights,
+    contiguous: the kernel's descriptors are for that layout)."""
+    return switch and tiles is not None and w.is_contiguous() and gluon_ragged.suits(N, K)
 
 
 def _tiles(routing: Routing, rows: int):
@@ -191,7 +197,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     # The routing weight scales the down GEMM's input rows, not its output: the combine then only
     # sums, and the scaled rows are dW_down's operand too.
     plain = swiglu_limit is None and glu_alpha is None and activation == "silu"  # the Gluon epilogues: silu only
-    if plain and _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2]):
+    if plain and _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2], w_gate_up):
         h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # same bits as below
     else:
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
@@ -236,7 +242,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     dys = expand_rows(dy, routing.pos.view(T, k))
     rw = weights.reshape(-1).contiguous()
     plain = swiglu_limit is None and glu_alpha is None and activation == "silu"
-    if aw is not None and plain and _fused(GLUON_DSWIGLU, tiles, I, H):
+    if aw is not None and plain and _fused(GLUON_DSWIGLU, tiles, I, H, w_down):
         # d_h bitwise the unfused pass's; d_weights summed over 128-column partials (fixed order)
         dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
     else:
@@ -253,10 +259,18 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     o = _row_gemm(dh, w_gate_up, tiles, ends, w_kmajor=False)  # [S, H]
     dx = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
     del o
-    d_wgu = torch._grouped_mm(dh.t(), xs, offs=ends)
+    d_wgu = _wgrad(dh, xs, ends, transposed(w_gate_up))
     del dh
-    d_wd = torch._grouped_mm(dys.t(), aw, offs=ends)
+    d_wd = _wgrad(dys, aw, ends, transposed(w_down))
     return dx, d_weights.view(T, k), d_wgu, d_wd
+
+
+def _wgrad(p, q, ends, in_transposed: bool):
+    """[E, M, N] with [e] = p[rows of e]^T q[rows of e] (p [S, M], q [S, N]); with ``in_transposed`` computed as
+    the contiguous [E, N, M] of q^T p and returned as its transpose: the layout of weights stored transposed."""
+    if in_transposed:
+        return torch._grouped_mm(q.t(), p, offs=ends).transpose(1, 2)
+    return torch._grouped_mm(p.t(), q, offs=ends)
 
 
 __all__ = ["ENABLED", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU", "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "experts_backward", "experts_forward", "swiglu"]

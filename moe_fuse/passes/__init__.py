@@ -95,7 +95,8 @@ def _recompute_h(cand: Candidate) -> None:
     """Inside a checkpointed body the backward recomputes h itself: saving it would make the partitioner
     re-run the whole fused forward in the backward just to rebuild h."""
     # save_h: moe_fuse.experts(x, ids, weights, W_gu, W_d, save_h[, swiglu_limit]); experts_call(..., save_h)
-    at = {torch.ops.moe_fuse.experts.default: 5, torchtitan.experts_call: -1}.get(cand.op)
+    at = {torch.ops.moe_fuse.experts.default: 5, grouped_mm.experts_from_transposed: 5,
+          torchtitan.experts_call: -1}.get(cand.op)
     if at is not None and cand.op_args[at] is True:
         args = list(cand.op_args)
         args[at] = False

@@ -16,6 +16,9 @@
     inv = empty_like(perm); inv[perm] = arange(S)
     y = out[inv].view(T, k, H).sum(dim=1).to(x.dtype)
 
+Models that store their expert weights [E, in, out] (transformers' ``is_transposed``: Aria) pass W_gate_up
+and W_down to the GEMMs as they are, without the transposes; the op then reads their transposes (views).
+
 Anchored on the first grouped GEMM. The walk reads every literal (k, E, the
 chunk, the view) from the graph and checks it against the tensor shapes; the
 verifier then proves the match on random probes.
@@ -53,8 +56,15 @@ def _skip_casts(node):
     return node
 
 
-def _expert_weight(w_t: fx.Node, what: str) -> fx.Node:
-    """``W.transpose(-2, -1)`` -> W (a 3-D parameter)."""
+def _expert_weight(w_t: fx.Node, what: str) -> tuple[fx.Node, bool]:
+    """A grouped GEMM's weight operand -> (W, stored transposed).
+
+    ``W.transpose(-2, -1)`` of W [E, out, in] (nn.Linear's layout) -> (W, False); a 3-D parameter
+    used as it is, W [E, in, out] (transformers' ``is_transposed`` experts: Aria, GPT-OSS) -> (W, True)."""
+    if w_t.op in ("placeholder", "get_attr"):
+        if len(shape_of(w_t)) != 3:
+            raise NoMatch(f"{what} weight has shape {shape_of(w_t)}, expected [E, in, out]", w_t)
+        return w_t, True
     expect(w_t, "transpose")
     dims = {arg(w_t, 1, "dim0"), arg(w_t, 2, "dim1")}
     if dims not in ({-2, -1}, {1, 2}):
@@ -62,7 +72,7 @@ def _expert_weight(w_t: fx.Node, what: str) -> fx.Node:
     w = w_t.args[0]
     if len(shape_of(w)) != 3:
         raise NoMatch(f"{what} weight has shape {shape_of(w)}, expected [E, out, in]", w_t)
-    return w
+    return w, False
 
 
 def _mm_operands(mm: fx.Node):
@@ -112,8 +122,10 @@ def match_combine(rows: fx.Node, k: int, H: int, x: fx.Node) -> fx.Node:
 
 def match(up_mm: fx.Node) -> Candidate:
     a, w_gu_t, offs = _mm_operands(up_mm)
-    w_gate_up = _expert_weight(w_gu_t, "gate_up")
+    w_gate_up, stored_transposed = _expert_weight(w_gu_t, "gate_up")
     E, two_i, H = shape_of(w_gate_up)
+    if stored_transposed:
+        E, H, two_i = shape_of(w_gate_up)
 
     # Routing metadata: offsets from a histogram of the sorted expert ids.
     expect(offs, "cumsum")
@@ -156,8 +168,10 @@ def match(up_mm: fx.Node) -> Candidate:
     a2, w_d_t, offs2 = _mm_operands(down_mm)
     if offs2 is not offs:
         raise NoMatch("the two grouped GEMMs use different offsets", down_mm)
-    w_down = _expert_weight(w_d_t, "down")
-    if shape_of(w_down) != (E, H, two_i // 2):
+    w_down, down_transposed = _expert_weight(w_d_t, "down")
+    if down_transposed != stored_transposed:
+        raise NoMatch("one expert weight is stored transposed and the other is not", down_mm)
+    if shape_of(w_down) != ((E, two_i // 2, H) if stored_transposed else (E, H, two_i // 2)):
         raise NoMatch(f"down weight {shape_of(w_down)} does not fit gate_up {shape_of(w_gate_up)}", down_mm)
 
     # Weighted combine: ys * weights[perm] -> un-permute -> view(T, k, H).sum(1).
@@ -194,7 +208,8 @@ def match(up_mm: fx.Node) -> Candidate:
         glu_alpha=glu_alpha,
         activation=activation,
     )
-    return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm)
+    return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm,
+                             stored_transposed=stored_transposed)
 
 
 def _literal(node: fx.Node):
@@ -284,8 +299,17 @@ def match_swiglu_limit(gate: fx.Node, up: fx.Node):
     return g, u, float(limit)
 
 
-def experts_candidate(pattern: str, spec: ExpertsSpec, inputs, out: fx.Node, anchor: fx.Node, notes=()) -> Candidate:
-    """The region from ``inputs`` (x, ids, weights, W_gate_up, W_down) to ``out`` as one ``moe_fuse.experts`` call.
+def experts_from_transposed(x, ids, weights, w_gate_up, w_down, *rest):
+    """``moe_fuse.experts`` of expert weights stored [E, in, out]: the op reads their transposes, views (no copy);
+    their gradients come back in the stored layout (``ops.weight_layout``). Traced into the graph by the rewrite."""
+    return torch.ops.moe_fuse.experts.default(x, ids, weights, w_gate_up.transpose(-2, -1), w_down.transpose(-2, -1),
+                                              *rest)
+
+
+def experts_candidate(pattern: str, spec: ExpertsSpec, inputs, out: fx.Node, anchor: fx.Node, notes=(),
+                      stored_transposed: bool = False) -> Candidate:
+    """The region from ``inputs`` (x, ids, weights, W_gate_up, W_down) to ``out`` as one ``moe_fuse.experts`` call
+    (``experts_from_transposed`` for weights stored [E, in, out]).
 
     The call keeps h for the backward (its sixth argument, ``save_h``) when the graph is traced for training,
     as AOTAutograd decides it: grad mode on and an input that requires grad. The spec's gate (swiglu_limit,
@@ -299,7 +323,7 @@ def experts_candidate(pattern: str, spec: ExpertsSpec, inputs, out: fx.Node, anc
         pattern=pattern,
         spec=spec,
         region=collect_region(list(inputs), [out]),
-        op=torch.ops.moe_fuse.experts.default,
+        op=experts_from_transposed if stored_transposed else torch.ops.moe_fuse.experts.default,
         op_args=(*inputs, save_h, *gate),
         output_index=[0],
         input_kinds=["hidden", "expert_ids", "routing_weights", "param", "param"],
