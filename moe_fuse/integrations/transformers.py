@@ -8,10 +8,10 @@ registers a forward ``(self, hidden_states, top_k_index, top_k_weights) -> Tenso
 in transformers' ``ALL_EXPERTS_FUNCTIONS``. On an experts module with the
 standard layout (gate_up [E, 2I, H] with the gate rows first, down [E, H, I], or both
 stored transposed: ``is_transposed``; no bias, silu or tanh-approximated gelu, no post-expert
-norm, transformers' own gating, its clamped SwiGLU (``swiglu_limit``) or the GPT-OSS-style gate on those clamps (``swiglu_alpha``)) it is
-one ``torch.ops.moe_fuse.experts`` call, forward and backward. Any other module
-runs transformers' ``grouped_mm`` forward instead, with a warning (once per
-module class and reason) that says why.
+norm, transformers' own gating, its clamped SwiGLU (``swiglu_limit``) or the GPT-OSS-style gate
+on those clamps (``swiglu_alpha``)) it is one ``torch.ops.moe_fuse.experts`` call, forward and
+backward. Any other module runs transformers' ``grouped_mm`` forward instead, with a warning (once
+per module class and reason) that says why.
 """
 
 from __future__ import annotations
