@@ -1,5 +1,9 @@
 """The exact rewritten graph of one Qwen3-MoE block (fp32, transformers' fallback-op spelling)."""
 
+import json
+import tempfile
+from pathlib import Path
+
 import expecttest
 import torch
 
@@ -84,7 +88,12 @@ class TestRewrittenTransposedGraph(expecttest.TestCase):
         model, _ = F.build("aria")
         block = model.model.layers[0].mlp
         H = model.config.hidden_size
-        self.assertExpectedInline(rewritten_code(block, torch.randn(2, 5, H)), """\
+        with tempfile.TemporaryDirectory() as debug_dir:
+            code = rewritten_code(block, torch.randn(2, 5, H), **{"moe_fuse.debug_dir": debug_dir})
+            (report,) = [json.loads(p.read_text()) for p in Path(debug_dir).glob("graph_*/report.json")]
+        (experts,) = [m for m in report["matches"] if m["pattern"] == "grouped_mm_experts"]
+        self.assertEqual(experts["notes"], ["expert weights stored [E, in, out]: the op reads transposed views (no copy)"])
+        self.assertExpectedInline(code, """\
 def forward(self, L_hidden_states_ : torch.Tensor, L_self_modules_router_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_experts_parameters_gate_up_proj_ : torch.nn.parameter.Parameter, L_self_modules_experts_parameters_down_proj_ : torch.nn.parameter.Parameter, L_self_modules_shared_experts_modules_gate_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_shared_experts_modules_up_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_shared_experts_modules_down_proj_parameters_weight_ : torch.nn.parameter.Parameter):
     l_hidden_states_ = L_hidden_states_
     l_self_modules_router_parameters_weight_ = L_self_modules_router_parameters_weight_

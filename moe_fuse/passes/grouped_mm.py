@@ -208,7 +208,8 @@ def match(up_mm: fx.Node) -> Candidate:
         glu_alpha=glu_alpha,
         activation=activation,
     )
-    return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm,
+    notes = ["expert weights stored [E, in, out]: the op reads transposed views (no copy)"] if stored_transposed else []
+    return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm, notes,
                              stored_transposed=stored_transposed)
 
 
