@@ -242,17 +242,30 @@ def weight_layout(w: Tensor) -> Tensor:
 
     The weight gradients come in that layout, so the gradient of a transposed view reaches the parameter
     without a copy. The real and the fake implementation both ask this."""
+    return w.new_empty_strided(w.shape, _layout_strides(w))
+
+
+def _layout_strides(w: Tensor) -> tuple[int, ...]:
     if kernels.transposed(w):
-        return w.new_empty((w.shape[0], w.shape[2], w.shape[1])).transpose(1, 2)
-    return w.new_empty(w.shape)
+        E, M, N = w.shape
+        return (M * N, 1, M)
+    return _contiguous_strides(w.shape)
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
 
 
 def in_layout_of(g: Tensor, w: Tensor) -> Tensor:
-    """The gradient g of expert weights w in ``weight_layout(w)`` (a copy only where the kernels made another)."""
-    want = weight_layout(w)
-    if g.stride() == want.stride():
+    """The gradient g of expert weights w in ``weight_layout(w)``: g itself where the kernels wrote that layout
+    (nothing allocated), else a copy."""
+    if g.stride() == _layout_strides(w):
         return g
-    return want.copy_(g)
+    return weight_layout(w).copy_(g)
 
 
 @torch.library.register_fake("moe_fuse::experts_backward")
