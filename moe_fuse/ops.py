@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._prims_common import make_contiguous_strides_for
 
 from . import kernels, reference
 
@@ -245,19 +246,12 @@ def weight_layout(w: Tensor) -> Tensor:
     return w.new_empty_strided(w.shape, _layout_strides(w))
 
 
-def _layout_strides(w: Tensor) -> tuple[int, ...]:
+def _layout_strides(w: Tensor) -> tuple:
     if kernels.transposed(w):
         E, M, N = w.shape
         return (M * N, 1, M)
-    return _contiguous_strides(w.shape)
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(int(size), 1)
-    return tuple(reversed(strides))
+    # torch's own rule for a contiguous tensor (size-1 and size-0 dims included, symbolic sizes kept)
+    return tuple(make_contiguous_strides_for(w.shape))
 
 
 def in_layout_of(g: Tensor, w: Tensor) -> Tensor:
