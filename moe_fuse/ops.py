@@ -7,7 +7,7 @@ one fused node forward and one backward per MoE block.
 Boundaries (the Triton kernels fill these in):
 - router:  x, W_router -> logits, routing weights, expert ids
            (linear, softmax in fp32, top-k, optional renorm, cast).
-- experts: x, ids, routing weights, W_gate_up, W_down, save_h -> (y, h, xs, routing, aw)
+- experts: x, ids, routing weights, W_gate_up, W_down, save_h[, gate] -> (y, h, xs, routing, aw)
            (routing metadata, permutation, gate_up GEMM, SwiGLU, down GEMM,
            weighted fixed-order combine over the k slots; h = the gate_up output,
            xs = the expert-sorted rows of x, routing = the routing buffer, aw = the
@@ -113,7 +113,8 @@ torch.library.register_autograd("moe_fuse::router", _router_backward, setup_cont
 # --------------------------------------------------------------------------- experts
 
 
-def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, glu_alpha=None, activation="silu"):
+def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, glu_alpha=None, activation="silu",
+                        gate_up_bias=None):
     # Kernels index with these shapes; a mismatch must be an error, not a wrong answer.
     if activation not in reference.ACTIVATIONS:
         raise ValueError(f"moe_fuse.experts: activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
@@ -132,9 +133,18 @@ def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, g
             f"moe_fuse.experts: weights must be gate_up [E, 2I, H] and down [E, H, I]; got "
             f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)} for hidden size {H}"
         )
+    if gate_up_bias is not None and (tuple(gate_up_bias.shape) != (E, two_i) or not gate_up_bias.is_floating_point()):
+        raise ValueError(f"moe_fuse.experts: gate_up_bias must be a float [E={E}, 2I={two_i}] tensor, got "
+                         f"{tuple(gate_up_bias.shape)} {gate_up_bias.dtype}")
 
 
-def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h) -> tuple[int, int, int]:
+def _on_kernels(x, ids, weights, w_gate_up, w_down, extras: bool) -> bool:
+    """Whether the Triton kernels compute this call (else the reference). extras: a gate_up bias or interleaved
+    gate/up rows, which only their grouped_mm path has."""
+    return x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down, extras=extras)
+
+
+def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras: bool = False) -> tuple[int, int, int]:
     """(rows of h, rows of xs and of aw, elements of the routing) that the forward keeps for the backward.
 
     From shapes, dtypes and devices only: the real and the fake implementation both size their
@@ -145,7 +155,7 @@ def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h) -> tuple[int, int, 
     if not save_h:
         return 0, 0, 0
     S = ids.shape[0] * ids.shape[1]
-    if not (x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down)):
+    if not _on_kernels(x, ids, weights, w_gate_up, w_down, extras):
         return S, 0, 0
     rows = S if kernels.uses_grouped_mm(x, ids, w_gate_up, w_down) else 0
     return S, rows, kernels.routing_buffer_size(S, w_gate_up.shape[0])
@@ -155,6 +165,7 @@ def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h) -> tuple[int, int, 
 def experts(
     x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, save_h: bool = False,
     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
+    gate_up_bias: Tensor | None = None, interleaved: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(y, h, xs, routing, aw): y, then what the backward reads instead of recomputing (``_saved_sizes``).
 
@@ -170,10 +181,15 @@ def experts(
     glu_alpha a (the GPT-OSS-style gate of MiniMax-M3-VL): gate * sigmoid(a * gate) * (up + 1) instead of
     silu(gate) * up, after the clamps if any.
     activation "gelu_tanh" (GeGLU, Gemma 4): gelu(gate, approximate="tanh") * up instead of silu(gate) * up.
+    gate_up_bias [E, 2I] (GPT-OSS): added to the gate_up GEMM's output before the gate (h is kept without it).
+    interleaved (GPT-OSS): gate and up are the even and odd rows of W_gate_up, not its two halves.
+    A down-projection bias is not the op's: ``reference.down_bias_term`` adds it to y.
     """
-    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation)
-    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h)
-    lim = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation}
+    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias)
+    extras = gate_up_bias is not None or interleaved
+    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras)
+    lim = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation,
+           "gate_up_bias": gate_up_bias, "interleaved": interleaved}
     if routing_size:
         y, h, routing, xs, aw = kernels.experts_forward(
             x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=True, **lim
@@ -181,7 +197,7 @@ def experts(
         if not xs_rows:
             xs, aw = _empty(x, x.shape[1]), _empty(w_down, w_down.shape[2])
         return y, h, xs, routing.buf, aw
-    if x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):  # without save_h
+    if _on_kernels(x, ids, weights, w_gate_up, w_down, extras):  # without save_h
         y = kernels.experts_forward(x, ids, weights, w_gate_up, w_down, **lim)
         h = _empty(w_gate_up, w_gate_up.shape[1])
     elif save_h:
@@ -192,6 +208,30 @@ def experts(
     return y, h, _empty(x, x.shape[1]), _empty(ids, None), _empty(w_down, w_down.shape[2])
 
 
+def experts_with_biases(
+    x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, gate_up_bias: Tensor | None,
+    down_bias: Tensor | None, save_h: bool = False, swiglu_limit: float | None = None, glu_alpha: float | None = None,
+    activation: str = "silu", interleaved: bool = False,
+) -> Tensor:
+    """y of experts whose projections have biases (GPT-OSS): the gate_up bias inside the op, the down bias [E, H]
+    added by ``add_down_bias``. Both biases get gradients; either may be None."""
+    E, H = w_down.shape[0], w_down.shape[1]
+    if down_bias is not None and tuple(down_bias.shape) != (E, H):
+        raise ValueError(f"moe_fuse.experts: down_bias must be [E={E}, H={H}], got {tuple(down_bias.shape)}")
+    y = torch.ops.moe_fuse.experts.default(x, ids, weights, w_gate_up, w_down, save_h, swiglu_limit, glu_alpha,
+                                           activation, gate_up_bias, interleaved)[0]
+    if down_bias is None:
+        return y
+    return add_down_bias(y, ids, weights, down_bias, E, x.dtype)
+
+
+def add_down_bias(y: Tensor, ids: Tensor, weights: Tensor, down_bias: Tensor, num_experts: int, dtype: torch.dtype):
+    """y + ``reference.down_bias_term`` in fp32 (fp64 for fp64 models), cast to dtype (y's). Autograd takes its
+    backward: two small GEMMs and a gather, deterministic. Traceable by torch.fx: only the tensors are values."""
+    ct = torch.promote_types(dtype, torch.float32)
+    return (y.to(ct) + reference.down_bias_term(ids, weights, down_bias.to(ct), num_experts)).to(dtype)
+
+
 def _empty(like, cols):
     """An empty saved value: [0, cols] in like's dtype, or an empty int32 vector for cols None."""
     if cols is None:
@@ -200,9 +240,11 @@ def _empty(like, cols):
 
 
 @torch.library.register_fake("moe_fuse::experts")
-def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_alpha=None, activation="silu"):
-    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation)
-    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h)
+def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_alpha=None, activation="silu",
+      gate_up_bias=None, interleaved=False):
+    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias)
+    extras = gate_up_bias is not None or interleaved
+    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras)
     return (
         x.new_empty(x.shape),
         w_gate_up.new_empty((h_rows, w_gate_up.shape[1])),
@@ -216,25 +258,29 @@ def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_a
 def experts_backward(
     dy: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor,
     xs: Tensor, routing: Tensor, aw: Tensor, swiglu_limit: float | None = None, glu_alpha: float | None = None,
-    activation: str = "silu",
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """h, xs, routing, aw: what the forward kept (``experts``), each empty when not kept (recomputed)."""
-    if dy.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down):
+    activation: str = "silu", gate_up_bias: Tensor | None = None, interleaved: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_weights, d_w_gate_up, d_w_down, d_gate_up_bias); the last is empty without a gate_up_bias.
+
+    h, xs, routing, aw: what the forward kept (``experts``), each empty when not kept (recomputed)."""
+    extras = gate_up_bias is not None or interleaved
+    gate = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation}
+    if extras:
+        gate.update(gate_up_bias=gate_up_bias, interleaved=interleaved)
+    if dy.is_cuda and _on_kernels(x, ids, weights, w_gate_up, w_down, extras):
         S, E = ids.shape[0] * ids.shape[1], w_gate_up.shape[0]
         grads = kernels.experts_backward(  # makes dy contiguous itself
             dy, x, ids, weights, w_gate_up, w_down, h if h.numel() else None,
             routing=kernels.routing_from_buffer(routing, S, E) if routing.numel() else None,
-            xs=xs if xs.numel() else None, aw=aw if aw.numel() else None, swiglu_limit=swiglu_limit,
-            glu_alpha=glu_alpha, activation=activation,
+            xs=xs if xs.numel() else None, aw=aw if aw.numel() else None, **gate,
         )
     else:
         # The reference recomputes h in fp32. The gradient of a sum arrives with stride 0: make it a real tensor first.
-        grads = reference.experts_backward(
-            dy.contiguous(), x.contiguous(), ids, weights, w_gate_up, w_down, swiglu_limit=swiglu_limit,
-            glu_alpha=glu_alpha, activation=activation,
-        )
-    dx, d_weights, d_wgu, d_wd = grads
-    return dx.contiguous(), d_weights.contiguous(), in_layout_of(d_wgu, w_gate_up), in_layout_of(d_wd, w_down)
+        grads = reference.experts_backward(dy.contiguous(), x.contiguous(), ids, weights, w_gate_up, w_down, **gate)
+    dx, d_weights, d_wgu, d_wd, *d_bias = grads
+    d_bias = d_bias[0].contiguous() if d_bias else w_gate_up.new_empty((0,))
+    return (dx.contiguous(), d_weights.contiguous(), in_layout_of(d_wgu, w_gate_up), in_layout_of(d_wd, w_down),
+            d_bias)
 
 
 def weight_layout(w: Tensor) -> Tensor:
@@ -263,26 +309,36 @@ def in_layout_of(g: Tensor, w: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("moe_fuse::experts_backward")
-def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, swiglu_limit=None, glu_alpha=None, activation="silu"):
+def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, swiglu_limit=None, glu_alpha=None, activation="silu",
+      gate_up_bias=None, interleaved=False):
     fmt = torch.contiguous_format
+    d_bias = w_gate_up.new_empty(gate_up_bias.shape) if gate_up_bias is not None else w_gate_up.new_empty((0,))
     return (torch.empty_like(x, memory_format=fmt), torch.empty_like(weights, memory_format=fmt),
-            weight_layout(w_gate_up), weight_layout(w_down))
+            weight_layout(w_gate_up), weight_layout(w_down), d_bias)
+
+
+_GATE_DEFAULTS = (None, None, "silu", None, False)  # swiglu_limit, glu_alpha, activation, gate_up_bias, interleaved
 
 
 def _experts_setup_context(ctx, inputs, output):
-    x, ids, weights, w_gate_up, w_down, _save_h, *gate = inputs  # swiglu_limit, glu_alpha, activation: when passed
-    ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, *output[1:])
-    ctx.gate = tuple(gate)
+    x, ids, weights, w_gate_up, w_down, _save_h, *gate = inputs  # the arguments after save_h: when passed
+    gate = (*gate, *_GATE_DEFAULTS[len(gate):])
+    bias = gate[3]
+    ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, *output[1:], *([bias] if bias is not None else []))
+    ctx.gate = gate[:3]
+    ctx.interleaved = gate[4]
 
 
 def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing, _d_aw):
-    x, ids, weights, w_gate_up, w_down, h, xs, routing, aw = ctx.saved_tensors
+    x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, *bias = ctx.saved_tensors
     if dy is None:  # only the saved values were used: nothing flows back (they are internal)
         dy = torch.zeros_like(x)
-    dx, d_weights, d_wgu, d_wd = torch.ops.moe_fuse.experts_backward(
-        dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, *ctx.gate
+    bias = bias[0] if bias else None
+    dx, d_weights, d_wgu, d_wd, d_bias = torch.ops.moe_fuse.experts_backward(
+        dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, *ctx.gate, bias, ctx.interleaved
     )
-    return dx, None, d_weights, d_wgu, d_wd, None, None, None, None  # save_h, swiglu_limit, glu_alpha, activation
+    # save_h, swiglu_limit, glu_alpha, activation, gate_up_bias, interleaved
+    return dx, None, d_weights, d_wgu, d_wd, None, None, None, None, d_bias if bias is not None else None, None
 
 
 torch.library.register_autograd(

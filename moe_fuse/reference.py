@@ -112,17 +112,30 @@ def _gate_slope(gate, alpha: float | None, activation: str):
     return a * gate, a
 
 
+def split_gate_up(h, interleaved: bool = False):
+    """(gate, up) of gate_up rows: the two halves, or with ``interleaved`` (GPT-OSS) the even and odd columns."""
+    return (h[..., ::2], h[..., 1::2]) if interleaved else h.chunk(2, dim=-1)
+
+
+def join_gate_up(gate, up, interleaved: bool = False):
+    """The inverse of ``split_gate_up``."""
+    return torch.stack([gate, up], dim=-1).flatten(-2) if interleaved else torch.cat([gate, up], dim=-1)
+
+
 def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, swiglu_limit: float | None = None,
-                    glu_alpha: float | None = None, activation: str = "silu"):
+                    glu_alpha: float | None = None, activation: str = "silu", gate_up_bias=None,
+                    interleaved: bool = False):
     """y[t] = sum_j weights[t,j] * W_down[e] (silu(W_gate[e] x[t]) * W_up[e] x[t]),  e = ids[t,j].
 
     swiglu_limit L: gate and up are clamped first (gate at max L, up to [-L, L]), as transformers does.
     glu_alpha, activation: the gated activation is ``glu(gate, up, glu_alpha, activation)``.
+    gate_up_bias [E, 2I]: added to each row's gate_up output (in the weights' dtype, as transformers' add_).
+    interleaved: gate and up are the even and odd rows of W_gate_up (GPT-OSS), not its two halves.
 
     Rounds like transformers' grouped_mm path: each GEMM in the weights' dtype,
     the routing weight applied with type promotion, the sum over k, then a cast to x.dtype.
     ``save_h`` also returns h [S, 2I], the pre-activation gate | up of each row in
-    ``expert_order`` (sentinel rows zero), the layout the Triton backward reads.
+    ``expert_order`` (sentinel rows zero; without the bias), the layout the Triton backward reads.
     """
     T, H = x.shape
     k = ids.shape[1]
@@ -135,7 +148,9 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, sw
         h_rows = xs[rows] @ w_gate_up[e].t()
         if save_h:
             h[rows] = h_rows
-        gate, up = clamp_gate_up(*h_rows.chunk(2, dim=-1), limit)
+        if gate_up_bias is not None:
+            h_rows = h_rows + gate_up_bias[e].to(h_rows.dtype)
+        gate, up = clamp_gate_up(*split_gate_up(h_rows, interleaved), limit)
         ys[rows] = glu(gate, up, glu_alpha, activation) @ w_down[e].t()
     y_slots = torch.empty_like(ys)
     y_slots[order] = ys
@@ -145,8 +160,10 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, sw
 
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float | None = None,
-                     glu_alpha: float | None = None, activation: str = "silu"):
-    """Gradients of experts_forward w.r.t. (x, weights, w_gate_up, w_down), accumulated in fp32.
+                     glu_alpha: float | None = None, activation: str = "silu", gate_up_bias=None,
+                     interleaved: bool = False):
+    """Gradients of experts_forward w.r.t. (x, weights, w_gate_up, w_down), accumulated in fp32; with
+    gate_up_bias, (..., d_gate_up_bias) as well.
 
     With swiglu_limit, a clamped gate or up value passes no gradient (eager's clamp backward: the
     bound itself passes).
@@ -172,9 +189,12 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float
     dw_rows = torch.zeros(xs.shape[0], dtype=ct, device=x.device)
     d_wgu = torch.zeros_like(wgu)
     d_wd = torch.zeros_like(wd)
+    d_bias = None if gate_up_bias is None else torch.zeros(gate_up_bias.shape, dtype=ct, device=x.device)
     for e, rows in _expert_slices(counts):
         h = xs[rows] @ wgu[e].t()
-        raw_gate, raw_up = h.chunk(2, dim=-1)
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[e].to(ct)
+        raw_gate, raw_up = split_gate_up(h, interleaved)
         gate, up = clamp_gate_up(raw_gate, raw_up, limit)
         u, du = _gate_slope(gate, glu_alpha, activation)
         sig = torch.sigmoid(u)
@@ -191,7 +211,9 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float
         if limit is not None:
             d_gate = d_gate * (raw_gate <= limit)
             d_up = d_up * ((raw_up >= -limit) & (raw_up <= limit))
-        d_h = torch.cat([d_gate, d_up], dim=-1)
+        d_h = join_gate_up(d_gate, d_up, interleaved)
+        if d_bias is not None:
+            d_bias[e] = d_h.sum(dim=0)
         d_wgu[e] = d_h.t() @ xs[rows]
         dx_rows[rows] = d_h @ wgu[e]
 
@@ -199,9 +221,22 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float
     dx_slots[order] = dx_rows
     d_weights = torch.empty_like(dw_rows)
     d_weights[order] = dw_rows
-    return (
+    grads = (
         dx_slots.view(T, k, H).sum(dim=1).to(x.dtype),
         d_weights.view(T, k).to(weights.dtype),
         d_wgu.to(w_gate_up.dtype),
         d_wd.to(w_down.dtype),
     )
+    return grads if d_bias is None else (*grads, d_bias.to(gate_up_bias.dtype))
+
+
+def down_bias_term(ids, weights, down_bias, num_experts: int):
+    """sum_j weights[t, j] * down_bias[ids[t, j]] [T, H] in down_bias's dtype: what an expert's down bias adds to y
+    (GPT-OSS).
+
+    As one GEMM of the routing weights scattered into a dense [T, E] matrix, so autograd's backward is
+    deterministic GEMMs and a gather (no scatter-add over tokens); a slot with an id >= E (an expert-parallel
+    sentinel) adds nothing, as in transformers. Traceable by torch.fx (num_experts is a plain int)."""
+    dense = weights.new_zeros(weights.shape[0], num_experts + 1, dtype=down_bias.dtype)
+    dense = dense.scatter_add(1, ids.clamp(max=num_experts), weights.to(down_bias.dtype))
+    return dense[:, :num_experts] @ down_bias

@@ -46,6 +46,9 @@ class ExpertsSpec:
     glu_alpha: float | None = None
     # "gelu_tanh": GeGLU, gelu(gate, approximate="tanh") * up (Gemma 4), instead of silu(gate) * up
     activation: str = "silu"
+    # GPT-OSS: a bias per expert on the gate_up and on the down projection
+    gate_up_bias: bool = False
+    down_bias: bool = False
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -6,11 +6,12 @@
 
 registers a forward ``(self, hidden_states, top_k_index, top_k_weights) -> Tensor``
 in transformers' ``ALL_EXPERTS_FUNCTIONS``. On an experts module with the
-standard layout (gate_up [E, 2I, H] with the gate rows first, down [E, H, I], or both
-stored transposed: ``is_transposed``; no bias, silu or tanh-approximated gelu, no post-expert
+standard layout (gate_up [E, 2I, H] with the gate rows first or interleaved with the up rows
+(``is_concatenated=False``), down [E, H, I], or both stored transposed: ``is_transposed``;
+optionally a bias per expert on each (``has_bias``); silu or tanh-approximated gelu, no post-expert
 norm, transformers' own gating, its clamped SwiGLU (``swiglu_limit``) or the GPT-OSS-style gate
 on those clamps (``swiglu_alpha``)) it is one ``torch.ops.moe_fuse.experts`` call, forward and
-backward. Any other module runs transformers' ``grouped_mm`` forward instead, with a warning (once
+backward (with biases, ``ops.experts_with_biases``: the op and a small GEMM for the down bias). Any other module runs transformers' ``grouped_mm`` forward instead, with a warning (once
 per module class and reason) that says why.
 """
 
@@ -71,10 +72,6 @@ def unsupported_reason(module) -> str | None:
 
     if not getattr(module, "has_gate", False):
         return "experts without a gate (an up projection only)"
-    if getattr(module, "has_bias", False):
-        return "expert projections with a bias"
-    if not getattr(module, "is_concatenated", True):
-        return "gate and up rows interleaved in gate_up_proj, not concatenated"
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert"
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
@@ -92,7 +89,23 @@ def unsupported_reason(module) -> str | None:
         layout = "[E, H, 2I] and [E, I, H]" if getattr(module, "is_transposed", False) else "[E, 2I, H] and [E, H, I]"
         return f"gate_up_proj {tuple(module.gate_up_proj.shape)} and down_proj {tuple(module.down_proj.shape)} " \
                f"are not {layout}"
+    if getattr(module, "has_bias", False):
+        for name, shape in (("gate_up_proj_bias", (E, two_i)), ("down_proj_bias", (E, H))):
+            b = getattr(module, name, None)
+            if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape:
+                got = tuple(b.shape) if isinstance(b, torch.Tensor) else None
+                return f"{name} {got}, not a {list(shape)} tensor"
     return None
+
+
+def _interleaved(module) -> bool:
+    """gate and up rows alternate in gate_up_proj: transformers' ``is_concatenated=False`` (GPT-OSS) on a module
+    with a gate of its own, which ``gate_args`` proves on that split (transformers' default gate always takes the
+    two halves, whatever the flag says)."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    custom = getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate
+    return custom and not getattr(module, "is_concatenated", True)
 
 
 def _op_weights(module):
@@ -116,19 +129,21 @@ def gate_args(module) -> tuple | None:
     - ``(L,)``: transformers' clamped SwiGLU, silu(gate.clamp(max=L)) * up.clamp(-L, L) (GLM-5-Next, HY-V4,
       DeepSeek-V4: the bound in ``swiglu_limit`` or ``limit``);
     - ``(L, a)``: the GPT-OSS-style gate after those clamps, gate * sigmoid(a * gate) * (up + 1)
-      (MiniMax-M3-VL: ``swiglu_alpha``);
+      (MiniMax-M3-VL: ``swiglu_alpha``; GPT-OSS: ``alpha``, on gate and up rows interleaved: ``_interleaved``);
     - ``()``: plain silu(gate) * up, computed in fp32 and cast back (Beam), what the kernels compute anyway.
 
     The probe has values past the bound; it runs once per class, gate function and constants (a re-bound
     gate is proved again). A gate that only looks like one of these does not pass.
     """
-    from ..reference import clamp_gate_up, glu
+    from ..reference import clamp_gate_up, glu, split_gate_up
 
     limit = _number(getattr(module, "swiglu_limit", None))
     limit = _number(getattr(module, "limit", None)) if limit is None else limit
     limit = limit if limit is not None and limit > 0 else None
     alpha = _number(getattr(module, "swiglu_alpha", None))
-    key = (type(module), getattr(type(module), "_apply_gate", None), limit, alpha)
+    alpha = _number(getattr(module, "alpha", None)) if alpha is None else alpha  # GPT-OSS's name for it
+    interleaved = _interleaved(module)
+    key = (type(module), getattr(type(module), "_apply_gate", None), limit, alpha, interleaved)
     if key not in _PROVEN_GATES:
         # float32: a gate that upcasts computes in float32 whatever it is given (Beam's .float())
         gen = torch.Generator().manual_seed(0)
@@ -137,9 +152,9 @@ def gate_args(module) -> tuple | None:
             got = module._apply_gate(probe)
         except Exception:  # a gate that cannot run on a float32 CPU probe is no proven match
             got = None
-        candidates = [((), glu(*probe.chunk(2, dim=-1), None))]
+        candidates = [((), glu(*split_gate_up(probe, interleaved), None))]
         if limit is not None:
-            gate, up = clamp_gate_up(*probe.chunk(2, dim=-1), limit)
+            gate, up = clamp_gate_up(*split_gate_up(probe, interleaved), limit)
             candidates += [((limit,), glu(gate, up, None))]
             if alpha is not None:
                 candidates += [((limit, alpha), glu(gate, up, alpha))]
@@ -173,12 +188,17 @@ def moe_fuse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: tor
 
         _warn_once(self, reason)
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
+    from .. import ops  # (registers torch.ops.moe_fuse)
 
     args = (hidden_states, top_k_index, top_k_weights, *_op_weights(self))
+    biases = (self.gate_up_proj_bias, self.down_proj_bias) if getattr(self, "has_bias", False) else (None, None)
     # Keep h for the backward only when there will be one (the op's docstring says why).
-    save_h = torch.is_grad_enabled() and any(t.requires_grad for t in args)
-    return torch.ops.moe_fuse.experts(*args, save_h, *experts_gate_args(self))[0]
+    save_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*args, *biases))
+    gate = experts_gate_args(self)
+    if biases[0] is None and not _interleaved(self):
+        return torch.ops.moe_fuse.experts(*args, save_h, *gate)[0]
+    gate = (*gate, *(None, None, "silu")[len(gate):])  # swiglu_limit, glu_alpha, activation
+    return ops.experts_with_biases(*args, *biases, save_h, *gate, interleaved=_interleaved(self))
 
 
 def register_experts_implementation(name: str = NAME) -> str:

@@ -7,12 +7,12 @@ gate_up GEMM never writes h to memory.
 
 Public:
     experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False, keep_rows=False, swiglu_limit=None,
-                    glu_alpha=None, activation="silu")
+                    glu_alpha=None, activation="silu", gate_up_bias=None, interleaved=False)
         -> y  (or (y, h, routing), or (y, h, routing, xs | None, aw | None))
     experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None,
-                     swiglu_limit=None, glu_alpha=None, activation="silu")
-        -> (dx, d_weights, d_w_gate_up, d_w_down)
-    supports(x, ids, weights, w_gate_up, w_down) -> bool
+                     swiglu_limit=None, glu_alpha=None, activation="silu", gate_up_bias=None, interleaved=False)
+        -> (dx, d_weights, d_w_gate_up, d_w_down[, d_gate_up_bias])
+    supports(x, ids, weights, w_gate_up, w_down, *, extras=False) -> bool
     uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool
     route(ids, num_experts) -> Routing(order, counts, offsets, pos, token, buf)
     routing_buffer_size(S, num_experts), routing_from_buffer(buf, S, num_experts)
@@ -45,9 +45,10 @@ def uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool:
 
 
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False,
-                    swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu"):
+                    swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
+                    gate_up_bias=None, interleaved: bool = False):
     """See forward.experts_forward: same result as reference.experts_forward (with its swiglu_limit, glu_alpha,
-    activation).
+    activation, gate_up_bias, interleaved; the last two on grouped_mm_path only: ``supports_layout``).
 
     save_h: (y, h, routing); with keep_rows too: (y, h, routing, xs, aw), on grouped_mm_path the
     weight gradients' operands its backward reads (xs the expert-sorted rows of x, aw the weighted
@@ -59,19 +60,25 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     # Weights stored transposed take the path without h too: the fused Triton GEMMs would read them through
     # pointer loads (their TMA descriptors need the contiguous layout).
     stored_transposed = transposed(w_gate_up) or transposed(w_down)
-    if (save_h or stored_transposed) and uses_grouped_mm(x, ids, w_gate_up, w_down):
+    extras = gate_up_bias is not None or interleaved
+    if (save_h or stored_transposed or extras) and uses_grouped_mm(x, ids, w_gate_up, w_down):
         return grouped_mm_path.experts_forward(
             x, ids, weights, w_gate_up, w_down, save_h=save_h, keep_rows=keep_rows, swiglu_limit=swiglu_limit,
-            glu_alpha=glu_alpha, activation=activation,
+            glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias, interleaved=interleaved,
         )
+    if extras:
+        raise ValueError("experts_forward: gate_up_bias and interleaved gate/up rows run on grouped_mm_path only "
+                         "(CUDA sm90+, bf16); elsewhere use reference.experts_forward")
     out = impl(x, ids, weights, w_gate_up, w_down, save_h=save_h, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
                activation=activation)
     return (*out, None, None) if save_h and keep_rows else out
 
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None,
-                     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu"):
-    """See backward.experts_backward: same result as reference.experts_backward (under the same ``supports``).
+                     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
+                     gate_up_bias=None, interleaved: bool = False):
+    """See backward.experts_backward: same result as reference.experts_backward (under the same ``supports``; with
+    gate_up_bias, (..., d_gate_up_bias) too, on grouped_mm_path only, as interleaved).
 
     h, routing, xs, aw: what ``experts_forward(save_h=True, keep_rows=True)`` kept, or None to recompute.
     """
@@ -81,17 +88,23 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     if uses_grouped_mm(x, ids, w_gate_up, w_down, dy):
         return grouped_mm_path.experts_backward(
             dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, xs=xs, aw=aw, swiglu_limit=swiglu_limit,
-            glu_alpha=glu_alpha, activation=activation,
+            glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias, interleaved=interleaved,
         )
+    if gate_up_bias is not None or interleaved:
+        raise ValueError("experts_backward: gate_up_bias and interleaved gate/up rows run on grouped_mm_path only "
+                         "(CUDA sm90+, bf16); elsewhere use reference.experts_backward")
     return impl(dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, swiglu_limit=swiglu_limit,
                 glu_alpha=glu_alpha, activation=activation)
 
 
-def supports(x, ids, weights, w_gate_up, w_down) -> bool:
-    """True when experts_forward handles these inputs (CUDA, or CPU under a usable Triton interpreter)."""
+def supports(x, ids, weights, w_gate_up, w_down, *, extras: bool = False) -> bool:
+    """True when experts_forward handles these inputs (CUDA, or CPU under a usable Triton interpreter).
+
+    extras: with a gate_up bias or interleaved gate/up rows, which only grouped_mm_path computes (the fused
+    Triton GEMMs have neither in their epilogues)."""
     from .forward import supports as impl
 
-    return impl(x, ids, weights, w_gate_up, w_down)
+    return impl(x, ids, weights, w_gate_up, w_down) and (not extras or uses_grouped_mm(x, ids, w_gate_up, w_down))
 
 
 def route(ids, num_experts: int):

@@ -324,6 +324,8 @@ def _dswiglu_kernel(
     dh_ptr,  # [S, 2I] out, sorted order
     aw_ptr,  # [S, I] out, sorted order (WRITE_AW)
     dw_ptr,  # [S] out, by row: d_weights = sum_i g * silu(gate) * up
+    bias_ptr,  # [E, 2I] gate_up bias, h's column order (HAS_BIAS)
+    ids_ptr,  # [T * k] expert of each row (HAS_BIAS)
     S,
     I,
     E,
@@ -333,6 +335,8 @@ def _dswiglu_kernel(
     ALPHA_GATE: tl.constexpr,  # gate * sigmoid(alpha * gate) * (up + 1) instead of silu(gate) * up
     GELU_TANH: tl.constexpr,  # gelu(gate, approximate="tanh") * up (GeGLU) instead of silu(gate) * up
     WRITE_AW: tl.constexpr,  # False: the forward kept aw (grouped_mm_path), skip the [S, I] store
+    HAS_BIAS: tl.constexpr,  # h + bias[e] first (in fp32)
+    INTERLEAVED: tl.constexpr,  # gate, up = h's even, odd columns (GPT-OSS); d_h written so too
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
@@ -347,13 +351,26 @@ def _dswiglu_kernel(
     src = tl.load(order_ptr + p, mask=in_s, other=0)
     w = tl.load(rw_ptr + src, mask=routed, other=0.0).to(tl.float32)[:, None]
     p64 = p.to(tl.int64)[:, None]
+    e64 = tl.load(ids_ptr + src, mask=routed & HAS_BIAS, other=0).to(tl.int64)[:, None]
     dw = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for i0 in range(0, I, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         mask = routed[:, None] & (i < I)[None, :]
         g = tl.load(g_ptr + p64 * I + i[None, :], mask=mask, other=0.0).to(tl.float32)
-        gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        # The gate | up loads are grouped_mm_path._swiglu_kernel's: change both.
+        c = 2 * i0 + tl.arange(0, 2 * BLOCK_I)  # INTERLEAVED: the chunk's columns of h and d_h
+        pmask = routed[:, None] & (c < 2 * I)[None, :]
+        if INTERLEAVED:
+            pair = tl.load(h_ptr + p64 * (2 * I) + c[None, :], mask=pmask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                pair += tl.load(bias_ptr + e64 * (2 * I) + c[None, :], mask=pmask, other=0.0).to(tl.float32)
+            gate, up = tl.split(tl.reshape(pair, (BLOCK_R, BLOCK_I, 2)))
+        else:
+            gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                gate += tl.load(bias_ptr + e64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
+                up += tl.load(bias_ptr + e64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
         # The gate math below is _dgrad_kernel's epilogue (no shared jit helper: see _jit.py): change both.
         if LIMITED:  # a clamped value passes no gradient (eager's clamp backward; the bound itself passes)
             g_in = gate <= limit
@@ -385,8 +402,12 @@ def _dswiglu_kernel(
         if LIMITED:
             d_gate = tl.where(g_in, d_gate, 0.0)
             d_up = tl.where(u_in, d_up, 0.0)
-        tl.store(dh_ptr + p64 * (2 * I) + i[None, :], d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(dh_ptr + p64 * (2 * I) + I + i[None, :], d_up.to(dh_ptr.dtype.element_ty), mask=mask)
+        if INTERLEAVED:
+            d_pair = tl.reshape(tl.join(d_gate, d_up), (BLOCK_R, 2 * BLOCK_I))
+            tl.store(dh_ptr + p64 * (2 * I) + c[None, :], d_pair.to(dh_ptr.dtype.element_ty), mask=pmask)
+        else:
+            tl.store(dh_ptr + p64 * (2 * I) + i[None, :], d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
+            tl.store(dh_ptr + p64 * (2 * I) + I + i[None, :], d_up.to(dh_ptr.dtype.element_ty), mask=mask)
         if WRITE_AW:
             tl.store(aw_ptr + p64 * I + i[None, :], (w * a).to(aw_ptr.dtype.element_ty), mask=mask)
     tl.store(dw_ptr + src, dw.to(dw_ptr.dtype.element_ty), mask=in_s)
@@ -693,13 +714,27 @@ def dgrad_saved(dy, routing: Routing, rw, h, w_down, top_k: int, weights_dtype, 
                    activation=activation)
 
 
+def bias_operands(gate_up_bias, ids, E: int, two_i: int, like):
+    """(bias, ids by row) pointers for the SwiGLU passes: the gate_up bias [E, 2I] and the flat ids, checked; or
+    ``like`` twice where there is no bias (never read)."""
+    if gate_up_bias is None:
+        return like, like
+    if ids is None or tuple(gate_up_bias.shape) != (E, two_i):
+        raise ValueError(f"gate_up_bias must be [E={E}, 2I={two_i}] with the ids of the rows, got "
+                         f"{tuple(gate_up_bias.shape)}{'' if ids is not None else ' and no ids'}")
+    return gate_up_bias.contiguous(), ids.reshape(-1).contiguous()
+
+
 def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True, swiglu_limit: float | None = None,
-            glu_alpha: float | None = None, activation: str = "silu"):
+            glu_alpha: float | None = None, activation: str = "silu", gate_up_bias=None, ids=None,
+            interleaved: bool = False):
     """(d_h [S, 2I], aw [S, I] or None, d_weights [S] by row) from g = dy[tok] @ W_down[e] and the saved h,
     sorted order. write_aw False: aw is not computed (None), for a caller that kept the forward's.
 
     Rows past offsets[E] (sentinels): d_weights 0, d_h and aw not written. swiglu_limit: the forward clamped
     gate and up (``reference.clamp_gate_up``); glu_alpha, activation: its gate was ``reference.glu``'s with those.
+    gate_up_bias [E, 2I] (with ids [T, k]): h is the GEMM's output, the bias added here again; interleaved: gate
+    and up are h's even and odd columns, and d_h's.
     """
     S, I = g.shape
     limit = limit_in(h.dtype, swiglu_limit)
@@ -709,14 +744,50 @@ def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True,
     # 4 x 256: 244 us against 255 at 16 x 128 without aw (30B, T=16384, H200; bench/probe_pass_configs_gpu.py).
     block_r = 4
     block_i = 32 if interpreting() else 256
+    E = routing.counts.numel()
+    bias, row_experts = bias_operands(gate_up_bias, ids, E, 2 * I, routing.order)
     _dswiglu_kernel[(cdiv(S, block_r),)](
-        g, h, rw, routing.order, routing.offsets, dh, aw if write_aw else dh, d_weights, S, I,
-        routing.counts.numel(), 0.0 if limit is None else limit, 1.0 if glu_alpha is None else float(glu_alpha),
+        g, h, rw, routing.order, routing.offsets, dh, aw if write_aw else dh, d_weights, bias, row_experts, S, I,
+        E, 0.0 if limit is None else limit, 1.0 if glu_alpha is None else float(glu_alpha),
         LIMITED=limit is not None, ALPHA_GATE=glu_alpha is not None, GELU_TANH=activation == "gelu_tanh",
-        WRITE_AW=write_aw,
+        WRITE_AW=write_aw, HAS_BIAS=gate_up_bias is not None, INTERLEAVED=interleaved,
         BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
     )
     return dh, aw, d_weights
+
+
+@lazy_jit
+def _expert_sums_kernel(
+    t_ptr,  # [S, N] sorted order
+    offsets_ptr,  # [E + 1] int32
+    out_ptr,  # [E, N] fp32 out
+    N,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out[e] = the sum of t's rows offsets[e] .. offsets[e + 1], fp32, in one fixed order (no atomics)."""
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    lo = tl.load(offsets_ptr + e)
+    hi = tl.load(offsets_ptr + e + 1)
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for r0 in range(lo, hi, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        mask = (r < hi)[:, None] & (n < N)[None, :]
+        acc += tl.load(t_ptr + r.to(tl.int64)[:, None] * N + n[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + e.to(tl.int64) * N + n, tl.sum(acc, axis=0), mask=n < N)
+
+
+def expert_sums(t, routing: Routing, out_dtype):
+    """[E, N] in out_dtype: each expert's rows of t [S, N] (sorted order) summed in fp32 (a bias gradient);
+    zeros for an expert without rows; rows past offsets[E] (sentinels) are in no sum."""
+    S, N = t.shape
+    E = routing.counts.numel()
+    out = torch.empty(E, N, dtype=torch.float32, device=t.device)
+    block_r, block_n = (8, 16) if interpreting() else (32, 128)
+    _expert_sums_kernel[(E, cdiv(N, block_n))](t, routing.offsets, out, N, BLOCK_R=block_r, BLOCK_N=block_n,
+                                               num_warps=4)
+    return out.to(out_dtype)
 
 
 def dgrad(dy, x, routing: Routing, rw, w_gate_up, w_down, top_k: int, *, config: GemmConfig | None = None,

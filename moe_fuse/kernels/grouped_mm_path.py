@@ -15,13 +15,13 @@ on the 30B layer.
 
     forward   xs = x[tok]                          [S, H]  (tok = routing.token: rows sorted by expert)
               h  = xs @ W_gate_up[e]^T             [S, 2I] (gate | up)
-              aw = w * silu(gate) * up             [S, I]  (w: the row's routing weight)
+              aw = w * silu(gate) * up             [S, I]  (w: the row's routing weight; gate_up bias added first)
               o  = aw @ W_down[e]^T                [S, H]
               y[t] = sum_j o[pos[t, j]]            (fp32, j in order; sentinel slots skipped)
               h, xs, aw and the routing are kept for the backward
     backward  dys = dy[tok];  g = dys @ W_down[e]  [S, I]
               d_h, d_weights = the dSwiGLU pass of backward.py (d_weights = sum_i g * a)
-              dW_gate_up[e] = d_h[e]^T xs[e];  dW_down[e] = dys[e]^T aw[e]
+              dW_gate_up[e] = d_h[e]^T xs[e];  dW_down[e] = dys[e]^T aw[e];  d_bias[e] = sum of d_h[e]
               o' = d_h @ W_gate_up[e]              [S, H];  dx[t] = sum_j o'[pos[t, j]]
 
 Groups are ``offsets[1:]``: rows past offsets[E] (expert-parallel sentinels) are in no group, so
@@ -38,7 +38,7 @@ from ..reference import limit_in
 from ._jit import cdiv, interpreting, lazy_jit
 from . import gluon_ragged
 from . import transposed
-from .backward import check_saved_h, dswiglu
+from .backward import bias_operands, check_saved_h, dswiglu, expert_sums
 from .permute import combine_sorted, expand_rows
 from .ragged_gemm import ragged_gemm, tile_map
 from .routing import Routing, route
@@ -94,6 +94,8 @@ def _swiglu_kernel(
     order_ptr,  # [S] int32: sorted position -> row
     a_ptr,  # [S, I] out
     offsets_ptr,  # [E + 1] int32; offsets[E] = routed rows
+    bias_ptr,  # [E, 2I] gate_up bias, h's column order (HAS_BIAS)
+    ids_ptr,  # [T * k] expert of each row (HAS_BIAS)
     S,
     I,
     E,
@@ -102,6 +104,8 @@ def _swiglu_kernel(
     LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) first
     ALPHA_GATE: tl.constexpr,  # gate * sigmoid(alpha * gate) * (up + 1) instead of silu(gate) * up
     GELU_TANH: tl.constexpr,  # gelu(gate, approximate="tanh") * up (GeGLU) instead of silu(gate) * up
+    HAS_BIAS: tl.constexpr,  # h + bias[e] first (in fp32)
+    INTERLEAVED: tl.constexpr,  # gate, up = h's even, odd columns (GPT-OSS) instead of its two halves
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
@@ -114,11 +118,24 @@ def _swiglu_kernel(
     src = tl.load(order_ptr + p, mask=routed, other=0)
     w = tl.load(rw_ptr + src, mask=routed, other=0.0).to(tl.float32)[:, None]
     p64 = p.to(tl.int64)[:, None]
+    e64 = tl.load(ids_ptr + src, mask=routed & HAS_BIAS, other=0).to(tl.int64)[:, None]
     for i0 in range(0, I, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         mask = routed[:, None] & (i < I)[None, :]
-        gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        # The gate | up loads below are _dswiglu_kernel's (backward.py): change both.
+        if INTERLEAVED:  # one [BLOCK_R, 2 * BLOCK_I] load, split into its even and odd columns
+            c = 2 * i0 + tl.arange(0, 2 * BLOCK_I)
+            pmask = routed[:, None] & (c < 2 * I)[None, :]
+            pair = tl.load(h_ptr + p64 * (2 * I) + c[None, :], mask=pmask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                pair += tl.load(bias_ptr + e64 * (2 * I) + c[None, :], mask=pmask, other=0.0).to(tl.float32)
+            gate, up = tl.split(tl.reshape(pair, (BLOCK_R, BLOCK_I, 2)))
+        else:
+            gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                gate += tl.load(bias_ptr + e64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
+                up += tl.load(bias_ptr + e64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
         if LIMITED:
             gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
             up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
@@ -133,11 +150,13 @@ def _swiglu_kernel(
 
 
 def swiglu(h: torch.Tensor, routing: Routing, rw: torch.Tensor, swiglu_limit: float | None = None,
-           glu_alpha: float | None = None, activation: str = "silu") -> torch.Tensor:
+           glu_alpha: float | None = None, activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
+           ids: torch.Tensor | None = None, interleaved: bool = False) -> torch.Tensor:
     """aw [S, I] = w * silu(gate) * up in h's dtype, sorted order; rw [T * k] the routing weights by row.
 
     swiglu_limit: gate and up clamped first (``reference.clamp_gate_up``); glu_alpha, activation: ``reference.glu``'s
-    gate."""
+    gate. gate_up_bias [E, 2I] (with ids [T, k], the experts of the rows): added to h first. interleaved: gate and
+    up are h's even and odd columns (``reference.split_gate_up``)."""
     S, two_i = h.shape
     I = two_i // 2
     E = routing.counts.numel()
@@ -145,10 +164,12 @@ def swiglu(h: torch.Tensor, routing: Routing, rw: torch.Tensor, swiglu_limit: fl
     # 4 x 256: 150 us against 161 at 16 x 128 (30B, T=16384, H200; bench/probe_pass_configs_gpu.py).
     block_r, block_i = (4, 32) if interpreting() else (4, 256)
     limit = limit_in(h.dtype, swiglu_limit)
+    bias, row_experts = bias_operands(gate_up_bias, ids, E, two_i, routing.order)
     _swiglu_kernel[(cdiv(S, block_r),)](
-        h, rw, routing.order, a, routing.offsets, S, I, E, 0.0 if limit is None else limit,
+        h, rw, routing.order, a, routing.offsets, bias, row_experts, S, I, E, 0.0 if limit is None else limit,
         1.0 if glu_alpha is None else float(glu_alpha), LIMITED=limit is not None, ALPHA_GATE=glu_alpha is not None,
-        GELU_TANH=activation == "gelu_tanh", BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
+        GELU_TANH=activation == "gelu_tanh", HAS_BIAS=gate_up_bias is not None, INTERLEAVED=interleaved,
+        BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
     )
     return a
 
@@ -179,8 +200,10 @@ def _tiles(routing: Routing, rows: int):
 
 
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False,
-                    swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu"):
+                    swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
+                    gate_up_bias=None, interleaved: bool = False):
     """Same contract as ``forward.experts_forward`` (y, or (y, h, routing) with ``save_h``); needs S > 0.
+    gate_up_bias, interleaved: as ``reference.experts_forward``'s (h is kept without the bias).
 
     keep_rows (with save_h): (y, h, routing, xs, aw), the two GEMM operands the backward's weight
     gradients read: xs [S, H] the expert-sorted rows of x (dW_gate_up; else one more gather, ~0.16 ms
@@ -196,12 +219,14 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     rw = weights.reshape(-1).contiguous()
     # The routing weight scales the down GEMM's input rows, not its output: the combine then only
     # sums, and the scaled rows are dW_down's operand too.
-    plain = swiglu_limit is None and glu_alpha is None and activation == "silu"  # the Gluon epilogues: silu only
+    # the Gluon epilogues: plain silu only
+    plain = swiglu_limit is None and glu_alpha is None and activation == "silu" and gate_up_bias is None \
+        and not interleaved
     if plain and _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2], w_gate_up):
         h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # same bits as below
     else:
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
-        aw = swiglu(h, routing, rw, swiglu_limit, glu_alpha, activation)
+        aw = swiglu(h, routing, rw, swiglu_limit, glu_alpha, activation, gate_up_bias, ids, interleaved)
     if not (save_h and keep_rows):
         del xs
     o = _row_gemm(aw, w_down, tiles, ends, w_kmajor=True)
@@ -212,8 +237,10 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
 
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None,
-                     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu"):
-    """Same contract as ``backward.experts_backward``; needs S > 0.
+                     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
+                     gate_up_bias=None, interleaved: bool = False):
+    """Same contract as ``backward.experts_backward``; needs S > 0. With gate_up_bias (``reference.experts_backward``'s,
+    as interleaved): (..., d_gate_up_bias), each expert's rows of d_h summed.
 
     h, routing, xs, aw: what the forward kept (``experts_forward(save_h=True, keep_rows=True)``), each
     None to recompute it (h: one more GEMM; routing: three small launches; xs: a gather; aw: written by
@@ -241,7 +268,8 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
     dys = expand_rows(dy, routing.pos.view(T, k))
     rw = weights.reshape(-1).contiguous()
-    plain = swiglu_limit is None and glu_alpha is None and activation == "silu"
+    plain = swiglu_limit is None and glu_alpha is None and activation == "silu" and gate_up_bias is None \
+        and not interleaved
     if aw is not None and plain and _fused(GLUON_DSWIGLU, tiles, I, H, w_down):
         # d_h bitwise the unfused pass's; d_weights summed over 128-column partials (fixed order)
         dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
@@ -249,7 +277,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
         g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
         dh, aw_now, d_weights = dswiglu(
             g, h, rw, routing, weights.dtype, write_aw=aw is None, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
-            activation=activation,
+            activation=activation, gate_up_bias=gate_up_bias, ids=ids, interleaved=interleaved,
         )
         aw = aw_now if aw is None else aw
         del g
@@ -260,9 +288,11 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     dx = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
     del o
     d_wgu = _wgrad(dh, xs, ends, transposed(w_gate_up))
+    d_bias = None if gate_up_bias is None else expert_sums(dh, routing, gate_up_bias.dtype)
     del dh
     d_wd = _wgrad(dys, aw, ends, transposed(w_down))
-    return dx, d_weights.view(T, k), d_wgu, d_wd
+    grads = dx, d_weights.view(T, k), d_wgu, d_wd
+    return grads if d_bias is None else (*grads, d_bias)
 
 
 def _wgrad(p, q, ends, in_transposed: bool):

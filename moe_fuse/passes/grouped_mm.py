@@ -5,19 +5,22 @@
     offs = cumsum(histc(ids, bins=E, min=0, max=E-1), dtype=int32)
     [mask = (ids >= E)[:, None]; ids.clamp_(max=E-1); xs.masked_fill_(mask, 0)]   # EP sentinels (5.17)
     h = grouped_mm(xs, W_gate_up.transpose(-2, -1), offs)   # _grouped_mm, F.grouped_mm or
-    [h = h.masked_fill(mask, 0)]                             # transformers::grouped_mm_fallback
-    gate, up = h.chunk(2, dim=-1)
+    [h.add_(b_gate_up[ids])]                                 # transformers::grouped_mm_fallback; has_bias
+    [h = h.masked_fill(mask, 0)]
+    gate, up = h.chunk(2, dim=-1)                            # or h[..., ::2], h[..., 1::2] (GPT-OSS)
     [gate, up = gate.clamp(max=L), up.clamp(-L, L)]         # swiglu_limit
     act = silu(gate) * up                                    # or in fp32 and cast back; or (up + 1) * (gate * sigmoid(gate * a));
                                                              # or gelu(gate, approximate="tanh") * up
     ys = grouped_mm(act, W_down.transpose(-2, -1), offs)
+    [ys.add_(b_down[ids])]
     [ys = ys.masked_fill(mask, 0)]
     out = ys * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
     inv = empty_like(perm); inv[perm] = arange(S)
     y = out[inv].view(T, k, H).sum(dim=1).to(x.dtype)
 
-Models that store their expert weights [E, in, out] (transformers' ``is_transposed``: Aria) pass W_gate_up
-and W_down to the GEMMs as they are, without the transposes; the op then reads their transposes (views).
+Models that store their expert weights [E, in, out] (transformers' ``is_transposed``: Aria, GPT-OSS) pass
+W_gate_up and W_down to the GEMMs as they are, without the transposes; the op then reads their transposes
+(views). GPT-OSS's biases and interleaved gate/up rows go to ``ops.experts_with_biases``.
 
 Anchored on the first grouped GEMM. The walk reads every literal (k, E, the
 chunk, the view) from the graph and checks it against the tensor shapes; the
@@ -29,7 +32,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
+import functools
+
+from .. import ops
 from ..spec import ExpertsSpec
 from .candidate import Candidate, Rejection
 from .graph import (
@@ -87,6 +92,55 @@ def _mm_operands(mm: fx.Node):
     if mm.kwargs.get("out_dtype") not in (None, dtype_of(mm)):
         raise NoMatch("grouped GEMM with an out_dtype", mm)
     return a, b, offs
+
+
+def _skip_bias(mm: fx.Node, sorted_ids: fx.Node, shape: tuple, what: str):
+    """transformers' ``out.add_(bias[sorted ids])`` after a grouped GEMM (``has_bias``) -> (what reads the
+    biased rows, the bias [E, N]); (mm, None) without one. An add into the GEMM's rows of anything else is
+    no match."""
+    adds = [u for u in mm.users if is_op(u, "add_", "add") and u.args and u.args[0] is mm]
+    if not adds:
+        return mm, None
+    if len(adds) > 1:
+        raise NoMatch(f"{what} GEMM output gets {len(adds)} adds, expected one bias", adds[1])
+    add = adds[0]
+    rows = add.args[1] if len(add.args) == 2 and not add.kwargs else None
+    if not (is_op(rows, "getitem") and rows.args[1] is sorted_ids):
+        raise NoMatch(f"{what} GEMM output gets an add that is not a bias gathered by the sorted expert ids", add)
+    bias = rows.args[0]
+    if bias.op not in ("placeholder", "get_attr") or shape_of(bias) != shape:
+        raise NoMatch(f"{what} bias {bias.name} has shape {shape_of(bias)}, expected {list(shape)}", rows)
+    return (mm if is_op(add, "add_") else add), bias
+
+
+def _column_half(index) -> int | None:
+    """0 for ``[..., ::2]`` (or ``[:, ::2]``), 1 for ``[..., 1::2]``, else None."""
+    if not (isinstance(index, tuple) and len(index) == 2 and index[0] in (Ellipsis, slice(None))):
+        return None
+    cols = index[1]
+    if isinstance(cols, slice) and cols.step == 2 and cols.stop is None and cols.start in (None, 0, 1):
+        return cols.start or 0
+    return None
+
+
+def _gate_up_split(node: fx.Node):
+    """``node.chunk(2, dim=-1)`` -> (gate, up, False); its even and odd columns (GPT-OSS's ``[..., ::2]``,
+    ``[..., 1::2]``) -> (gate, up, True)."""
+    halves = {}
+    for u in node.users:
+        half = _column_half(u.args[1]) if is_op(u, "getitem") and len(u.args) == 2 else None
+        if half is not None:
+            if half in halves:
+                raise NoMatch(f"{node.name}'s columns are split twice the same way", u)
+            halves[half] = u
+    if halves:
+        if set(halves) != {0, 1}:
+            raise NoMatch(f"{node.name} is read in one column half only; expected its even and odd columns", node)
+        return halves[0], halves[1], True
+    chunk = user_of(node, "chunk")
+    expect_literal(arg(chunk, 1, "chunks"), 2, "chunk count", chunk)
+    expect_literal(arg(chunk, 2, "dim", 0) in (-1, 1), True, "chunk over the last dim", chunk)
+    return getitem_user(chunk, 0), getitem_user(chunk, 1), False
 
 
 def _skip_sentinel_mask(node: fx.Node):
@@ -154,12 +208,11 @@ def match(up_mm: fx.Node) -> Candidate:
     if len(shape_of(x)) != 2 or not same_size(shape_of(x)[0], T) or shape_of(x)[1] != H:
         raise NoMatch(f"hidden states {shape_of(x)} do not fit [{T}, {H}]", gathered)
 
-    # gate_up GEMM -> [mask] -> chunk(2) -> silu(gate) * up -> down GEMM.
-    chunk, mask = _skip_sentinel_mask(up_mm)
-    expect(chunk, "chunk")
-    expect_literal(arg(chunk, 1, "chunks"), 2, "chunk count", chunk)
-    expect_literal(arg(chunk, 2, "dim", 0) in (-1, 1), True, "chunk over the last dim", chunk)
-    gate, up = getitem_user(chunk, 0), getitem_user(chunk, 1)
+    # gate_up GEMM -> [bias] -> [mask] -> chunk(2) or even / odd columns -> silu(gate) * up -> down GEMM.
+    biased, gate_up_bias = _skip_bias(up_mm, sorted_ids, (E, two_i), "gate_up")
+    masks = [u for u in biased.users if is_op(u, "masked_fill")]
+    mask = masks[0].args[1] if len(masks) == 1 else None
+    gate, up, interleaved = _gate_up_split(masks[0] if mask is not None else biased)
     gate, up, swiglu_limit = match_swiglu_limit(gate, up)
     glu, glu_alpha, activation = match_glu(gate, up)
     down_mm = glu
@@ -174,8 +227,9 @@ def match(up_mm: fx.Node) -> Candidate:
     if shape_of(w_down) != ((E, two_i // 2, H) if stored_transposed else (E, H, two_i // 2)):
         raise NoMatch(f"down weight {shape_of(w_down)} does not fit gate_up {shape_of(w_gate_up)}", down_mm)
 
-    # Weighted combine: ys * weights[perm] -> un-permute -> view(T, k, H).sum(1).
-    scale, mask2 = _skip_sentinel_mask(down_mm)
+    # [bias] -> weighted combine: ys * weights[perm] -> un-permute -> view(T, k, H).sum(1).
+    biased_down, down_bias = _skip_bias(down_mm, sorted_ids, (E, H), "down")
+    scale, mask2 = _skip_sentinel_mask(biased_down)
     expect(scale, "mul")
     w_col = [a for a in scale.args if isinstance(a, fx.Node) and is_op(a, "unsqueeze", "view", "reshape")]
     if len(w_col) != 1:
@@ -207,8 +261,19 @@ def match(up_mm: fx.Node) -> Candidate:
         swiglu_limit=swiglu_limit,
         glu_alpha=glu_alpha,
         activation=activation,
+        layout="gate_up_interleaved" if interleaved else "gate_up_concat",
+        gate_up_bias=gate_up_bias is not None,
+        down_bias=down_bias is not None,
     )
     notes = ["expert weights stored [E, in, out]: the op reads transposed views (no copy)"] if stored_transposed else []
+    if interleaved:
+        notes.append("gate and up are the even and odd columns of the gate_up output (the kernels read them so)")
+    if gate_up_bias is not None or down_bias is not None:
+        notes.append("expert biases: gate_up's added inside the SwiGLU passes, down's as a routing-weighted "
+                     "[T, E] x [E, H] GEMM added to the output")
+    if gate_up_bias is not None or down_bias is not None or interleaved:
+        return biased_experts_candidate(spec, (x, ids, weights, w_gate_up, w_down), gate_up_bias, down_bias, out,
+                                        up_mm, notes, stored_transposed, interleaved)
     return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm, notes,
                              stored_transposed=stored_transposed)
 
@@ -305,6 +370,39 @@ def experts_from_transposed(x, ids, weights, w_gate_up, w_down, *rest):
     their gradients come back in the stored layout (``ops.weight_layout``). Traced into the graph by the rewrite."""
     return torch.ops.moe_fuse.experts.default(x, ids, weights, w_gate_up.transpose(-2, -1), w_down.transpose(-2, -1),
                                               *rest)
+
+
+def experts_with_biases(x, ids, weights, w_gate_up, w_down, gate_up_bias, down_bias, save_h, swiglu_limit, glu_alpha,
+                        activation, *, stored_transposed: bool, interleaved: bool, num_experts: int,
+                        dtype: torch.dtype):
+    """``ops.experts_with_biases`` of the matched block (transposed views of weights stored [E, in, out]), with the
+    shapes and dtype the match read (no Python-level checks on fx proxies). Traced into the graph by the rewrite."""
+    if stored_transposed:
+        w_gate_up, w_down = w_gate_up.transpose(-2, -1), w_down.transpose(-2, -1)
+    y = torch.ops.moe_fuse.experts.default(x, ids, weights, w_gate_up, w_down, save_h, swiglu_limit, glu_alpha,
+                                           activation, gate_up_bias, interleaved)[0]
+    return y if down_bias is None else ops.add_down_bias(y, ids, weights, down_bias, num_experts, dtype)
+
+
+def biased_experts_candidate(spec: ExpertsSpec, inputs, gate_up_bias, down_bias, out: fx.Node, anchor: fx.Node, notes,
+                             stored_transposed: bool, interleaved: bool) -> Candidate:
+    """``experts_candidate`` for blocks with expert biases or interleaved gate/up rows (GPT-OSS): the biases
+    are region inputs too, passed as None where absent."""
+    biases = [b for b in (gate_up_bias, down_bias) if b is not None]
+    save_h = torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False)
+                                             for n in (*inputs, *biases))
+    return Candidate(
+        pattern=PATTERN,
+        spec=spec,
+        region=collect_region([*inputs, *biases], [out]),
+        op=functools.partial(experts_with_biases, stored_transposed=stored_transposed, interleaved=interleaved,
+                             num_experts=spec.num_experts, dtype=spec.dtype),
+        op_args=(*inputs, gate_up_bias, down_bias, save_h, spec.swiglu_limit, spec.glu_alpha, spec.activation),
+        output_index=[None],
+        input_kinds=["hidden", "expert_ids", "routing_weights", "param", "param"] + ["param"] * len(biases),
+        anchor=anchor,
+        notes=list(notes),
+    )
 
 
 def experts_candidate(pattern: str, spec: ExpertsSpec, inputs, out: fx.Node, anchor: fx.Node, notes=(),
