@@ -118,7 +118,8 @@ def _swiglu_kernel(
     src = tl.load(order_ptr + p, mask=routed, other=0)
     w = tl.load(rw_ptr + src, mask=routed, other=0.0).to(tl.float32)[:, None]
     p64 = p.to(tl.int64)[:, None]
-    e64 = tl.load(ids_ptr + src, mask=routed & HAS_BIAS, other=0).to(tl.int64)[:, None]
+    if HAS_BIAS:  # each row's expert
+        e64 = tl.load(ids_ptr + src, mask=routed, other=0).to(tl.int64)[:, None]
     for i0 in range(0, I, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         mask = routed[:, None] & (i < I)[None, :]
