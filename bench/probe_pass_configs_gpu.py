@@ -84,7 +84,8 @@ def main():
     for br, bi, nw in PASS_TILES:
         a = torch.full_like(want, float("nan"))
         launch = lambda: grouped_mm_path._swiglu_kernel[(cdiv(S, br),)](  # noqa: E731
-            h, rw, r.order, a, r.offsets, S, I, E, BLOCK_R=br, BLOCK_I=bi, num_warps=nw)
+            h, rw, r.order, a, r.offsets, r.order, r.order, S, I, E, 0.0, 1.0, LIMITED=False, ALPHA_GATE=False,
+            GELU_TANH=False, HAS_BIAS=False, INTERLEAVED=False, BLOCK_R=br, BLOCK_I=bi, num_warps=nw)
         report(f"{br}x{bi} w{nw}", launch, S * 3 * I * b2, lambda: torch.equal(a, want))
 
     for write_aw in (True, False):
@@ -95,8 +96,9 @@ def main():
             aw = torch.full_like(dh_want[:, :I], float("nan"))
             dw = torch.full_like(dw_want, float("nan"))
             launch = lambda: backward._dswiglu_kernel[(cdiv(S, br),)](  # noqa: E731
-                g, h, rw, r.order, r.offsets, dh, aw, dw, S, I, E, WRITE_AW=write_aw, BLOCK_R=br, BLOCK_I=bi,
-                num_warps=nw)
+                g, h, rw, r.order, r.offsets, dh, aw, dw, r.order, r.order, S, I, E, 0.0, 1.0, LIMITED=False,
+                ALPHA_GATE=False, GELU_TANH=False, WRITE_AW=write_aw, HAS_BIAS=False, INTERLEAVED=False, BLOCK_R=br,
+                BLOCK_I=bi, num_warps=nw)
             same = lambda: torch.equal(dh, dh_want) and torch.equal(dw, dw_want) and (  # noqa: E731
                 not write_aw or torch.equal(aw, aw_want))
             report(f"{br}x{bi} w{nw}", launch, S * (6 if write_aw else 5) * I * b2, same)

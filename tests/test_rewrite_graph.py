@@ -119,3 +119,48 @@ def forward(self, L_hidden_states_ : torch.Tensor, L_self_modules_router_paramet
     down_proj = torch._C._nn.linear(mul_2, l_self_modules_shared_experts_modules_down_proj_parameters_weight_, None);  mul_2 = l_self_modules_shared_experts_modules_down_proj_parameters_weight_ = None
     add = expert_output + down_proj;  expert_output = down_proj = None
     return (add,)""")
+
+
+class TestRewrittenBiasedGraph(expecttest.TestCase):
+    def test_gpt_oss_block_biases_and_interleaved_rows(self):
+        """GPT-OSS: the op with the gate_up bias and interleaved rows, the down bias's routing-weighted GEMM after
+        it, the weights as transposed views."""
+        import families as F
+
+        model, _ = F.build("gpt_oss")
+        block = model.model.layers[0].mlp
+        H = model.config.hidden_size
+        code = rewritten_code(block, torch.randn(2, 5, H))
+        self.assertExpectedInline(code, """\
+def forward(self, L_hidden_states_ : torch.Tensor, L_self_modules_router_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_router_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_experts_parameters_gate_up_proj_ : torch.nn.parameter.Parameter, L_self_modules_experts_parameters_gate_up_proj_bias_ : torch.nn.parameter.Parameter, L_self_modules_experts_parameters_down_proj_ : torch.nn.parameter.Parameter, L_self_modules_experts_parameters_down_proj_bias_ : torch.nn.parameter.Parameter):
+    l_hidden_states_ = L_hidden_states_
+    l_self_modules_router_parameters_weight_ = L_self_modules_router_parameters_weight_
+    l_self_modules_router_parameters_bias_ = L_self_modules_router_parameters_bias_
+    l_self_modules_experts_parameters_gate_up_proj_ = L_self_modules_experts_parameters_gate_up_proj_
+    l_self_modules_experts_parameters_gate_up_proj_bias_ = L_self_modules_experts_parameters_gate_up_proj_bias_
+    l_self_modules_experts_parameters_down_proj_ = L_self_modules_experts_parameters_down_proj_
+    l_self_modules_experts_parameters_down_proj_bias_ = L_self_modules_experts_parameters_down_proj_bias_
+    hidden_states = l_hidden_states_.reshape(-1, 32);  l_hidden_states_ = None
+    router_topk_softmax_default = torch.ops.moe_fuse.router_topk_softmax.default(hidden_states, l_self_modules_router_parameters_weight_, l_self_modules_router_parameters_bias_, 2, 'fp32_inputs', torch.float32, 1.0, torch.float32);  l_self_modules_router_parameters_weight_ = l_self_modules_router_parameters_bias_ = None
+    getitem_15 = router_topk_softmax_default[1]
+    getitem_16 = router_topk_softmax_default[2];  router_topk_softmax_default = None
+    transpose = l_self_modules_experts_parameters_gate_up_proj_.transpose(-2, -1);  l_self_modules_experts_parameters_gate_up_proj_ = None
+    transpose_1 = l_self_modules_experts_parameters_down_proj_.transpose(-2, -1);  l_self_modules_experts_parameters_down_proj_ = None
+    experts_default = torch.ops.moe_fuse.experts.default(hidden_states, getitem_16, getitem_15, transpose, transpose_1, True, 7.0, 1.702, 'silu', l_self_modules_experts_parameters_gate_up_proj_bias_, True);  hidden_states = transpose = transpose_1 = l_self_modules_experts_parameters_gate_up_proj_bias_ = None
+    getitem_11 = experts_default[0];  experts_default = None
+    to_3 = getitem_11.to(torch.float32);  getitem_11 = None
+    to_4 = l_self_modules_experts_parameters_down_proj_bias_.to(torch.float32);  l_self_modules_experts_parameters_down_proj_bias_ = None
+    getattr_1 = getitem_15.shape
+    getitem_12 = getattr_1[0];  getattr_1 = None
+    getattr_2 = to_4.dtype
+    new_zeros = getitem_15.new_zeros(getitem_12, 5, dtype = getattr_2);  getitem_12 = getattr_2 = None
+    clamp_2 = getitem_16.clamp(max = 4);  getitem_16 = None
+    getattr_3 = to_4.dtype
+    to_5 = getitem_15.to(getattr_3);  getattr_3 = None
+    scatter_add = new_zeros.scatter_add(1, clamp_2, to_5);  new_zeros = clamp_2 = to_5 = None
+    getitem_13 = scatter_add[(slice(None, None, None), slice(None, 4, None))];  scatter_add = None
+    matmul = getitem_13 @ to_4;  getitem_13 = to_4 = None
+    add_1 = to_3 + matmul;  to_3 = matmul = None
+    to_6 = add_1.to(torch.float32);  add_1 = None
+    hidden_states_2 = to_6.reshape(2, 5, 32);  to_6 = None
+    return (hidden_states_2, getitem_15)""")
