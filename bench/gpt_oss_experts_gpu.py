@@ -126,6 +126,13 @@ def timing(shape, T, peak, rounds=3):
     for _ in range(rounds):
         for name, fn in variants.items():
             times[name].append(do_bench(lambda fn=fn: step(fn), warmup=25, rep=200))
+    from moe_fuse.kernels import backward, routing
+
+    r = routing.route(inputs[1], E)
+    dh = torch.randn(T * k, 2 * I, device="cuda").bfloat16()
+    sums_ms = do_bench(lambda: backward.expert_sums(dh, r, torch.bfloat16), warmup=25, rep=100)
+    print(f"  {shape} T={T} the gate_up bias gradient (expert_sums of d_h [{T * k}, {2 * I}]) alone: {sums_ms:.3f} ms, "
+          f"{dh.numel() * 2 / sums_ms / 1e9:.2f} TB/s", flush=True)
     base = min(times["torch + Inductor"])
     for name, ts in times.items():
         best = min(ts)

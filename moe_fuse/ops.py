@@ -183,7 +183,7 @@ def experts(
     activation "gelu_tanh" (GeGLU, Gemma 4): gelu(gate, approximate="tanh") * up instead of silu(gate) * up.
     gate_up_bias [E, 2I] (GPT-OSS): added to the gate_up GEMM's output before the gate (h is kept without it).
     interleaved (GPT-OSS): gate and up are the even and odd rows of W_gate_up, not its two halves.
-    A down-projection bias is not the op's: ``reference.down_bias_term`` adds it to y.
+    A down-projection bias is not the op's: ``experts_with_biases`` adds it to y.
     """
     _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias)
     extras = gate_up_bias is not None or interleaved

@@ -244,3 +244,22 @@ def test_eager_interface_runs_gpt_oss_experts_as_the_op(recwarn):
     assert not [w for w in recwarn if "moe_fuse experts implementation" in str(w.message)]
     for n, g in eager[3].items():
         assert families.rel_err(fused[3][n], g) < families.TOLERANCE, n
+
+
+def test_opcheck_with_a_gate_up_bias():
+    """Schema, fake implementation and autograd registration of the op with the bias and interleaved rows: the
+    backward's fifth output is the bias gradient, empty without a bias."""
+    from torch.library import opcheck
+
+    x, ids, weights, w_gate_up, w_down = random_case(k=2)
+    b_gu = biases(*w_gate_up.shape[:2], x.shape[1])[0]
+    req = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
+    for save_h in (False, True):
+        opcheck(torch.ops.moe_fuse.experts.default, (req(x), ids, req(weights), req(w_gate_up), req(w_down), save_h,
+                                                      LIMIT, ALPHA, "silu", req(b_gu), True))
+    _, h, xs, routing, aw = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, True)
+    dy = torch.randn_like(x)
+    args = (dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, None, None, "silu")
+    opcheck(torch.ops.moe_fuse.experts_backward.default, (*args, b_gu, True))
+    assert torch.ops.moe_fuse.experts_backward(*args, b_gu, True)[4].shape == b_gu.shape
+    assert torch.ops.moe_fuse.experts_backward(*args)[4].numel() == 0

@@ -115,10 +115,13 @@ def test_unsupported_reasons():
     from transformers import GptOssConfig
 
     gpt_oss = GptOssExperts(GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=4))
-    assert unsupported_reason(gpt_oss) == "expert projections with a bias"  # and stored transposed: that one is fine
+    assert unsupported_reason(gpt_oss) is None  # biases, interleaved rows, stored transposed: all taken
     plain = Qwen3MoeExperts(qwen3_moe_config())
     plain.has_bias = True
-    assert unsupported_reason(plain) == "expert projections with a bias"
+    assert unsupported_reason(plain) == "expert biases whose gate_up_proj_bias is missing, not a [6, 32] tensor"
+    plain.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(6, 32))
+    plain.down_proj_bias = torch.nn.Parameter(torch.zeros(6, 7))
+    assert unsupported_reason(plain) == "expert biases whose down_proj_bias is of shape [6, 7], not a [6, 32] tensor"
 
 
 def test_unknown_name_before_registration_is_transformers_error():

@@ -93,8 +93,8 @@ def unsupported_reason(module) -> str | None:
         for name, shape in (("gate_up_proj_bias", (E, two_i)), ("down_proj_bias", (E, H))):
             b = getattr(module, name, None)
             if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape:
-                got = tuple(b.shape) if isinstance(b, torch.Tensor) else None
-                return f"{name} {got}, not a {list(shape)} tensor"
+                got = f"of shape {list(b.shape)}" if isinstance(b, torch.Tensor) else "missing"
+                return f"expert biases whose {name} is {got}, not a {list(shape)} tensor"
     return None
 
 
