@@ -114,7 +114,7 @@ torch.library.register_autograd("moe_fuse::router", _router_backward, setup_cont
 
 
 def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, glu_alpha=None, activation="silu",
-                        gate_up_bias=None):
+                        gate_up_bias=None, interleaved=False):
     # Kernels index with these shapes; a mismatch must be an error, not a wrong answer.
     if activation not in reference.ACTIVATIONS:
         raise ValueError(f"moe_fuse.experts: activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
@@ -128,6 +128,16 @@ def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, g
     E, two_i, h2 = w_gate_up.shape
     if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != T:
         raise ValueError(f"moe_fuse.experts: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [T={T}, k]")
+    if not reference.gated(activation):
+        if swiglu_limit is not None or glu_alpha is not None or gate_up_bias is not None or interleaved:
+            raise ValueError(f"moe_fuse.experts: activation {activation!r} has no gate; swiglu_limit, glu_alpha, "
+                             "gate_up_bias and interleaved are gate options")
+        if h2 != H or tuple(w_down.shape) != (E, H, two_i):
+            raise ValueError(
+                f"moe_fuse.experts: weights of experts without a gate ({activation!r}) must be up [E, I, H] and down "
+                f"[E, H, I]; got {tuple(w_gate_up.shape)} and {tuple(w_down.shape)} for hidden size {H}"
+            )
+        return
     if h2 != H or two_i % 2 or tuple(w_down.shape) != (E, H, two_i // 2):
         raise ValueError(
             f"moe_fuse.experts: weights must be gate_up [E, 2I, H] and down [E, H, I]; got "
@@ -138,9 +148,15 @@ def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, g
                          f"{tuple(gate_up_bias.shape)} {gate_up_bias.dtype}")
 
 
+def _extras(activation: str, gate_up_bias, interleaved: bool) -> bool:
+    """What only the kernels' grouped_mm path computes: a gate_up bias, interleaved gate/up rows, experts without
+    a gate."""
+    return gate_up_bias is not None or interleaved or not reference.gated(activation)
+
+
 def _on_kernels(x, ids, weights, w_gate_up, w_down, extras: bool) -> bool:
-    """Whether the Triton kernels compute this call (else the reference). extras: a gate_up bias or interleaved
-    gate/up rows, which only their grouped_mm path has."""
+    """Whether the Triton kernels compute this call (else the reference). extras: ``_extras``, which only their
+    grouped_mm path has."""
     return x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down, extras=extras)
 
 
@@ -181,12 +197,15 @@ def experts(
     glu_alpha a (the GPT-OSS-style gate of MiniMax-M3-VL): gate * sigmoid(a * gate) * (up + 1) instead of
     silu(gate) * up, after the clamps if any.
     activation "gelu_tanh" (GeGLU, Gemma 4): gelu(gate, approximate="tanh") * up instead of silu(gate) * up.
+    activation "relu2" (experts without a gate, Nemotron-H): w_gate_up is the up projection [E, I, H], h [T*k, I],
+    and the activation relu(up)^2; no gate options with it.
     gate_up_bias [E, 2I] (GPT-OSS): added to the gate_up GEMM's output before the gate (h is kept without it).
     interleaved (GPT-OSS): gate and up are the even and odd rows of W_gate_up, not its two halves.
     A down-projection bias is not the op's: ``experts_with_biases`` adds it to y.
     """
-    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias)
-    extras = gate_up_bias is not None or interleaved
+    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias,
+                        interleaved)
+    extras = _extras(activation, gate_up_bias, interleaved)
     h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras)
     lim = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation,
            "gate_up_bias": gate_up_bias, "interleaved": interleaved}
@@ -242,8 +261,9 @@ def _empty(like, cols):
 @torch.library.register_fake("moe_fuse::experts")
 def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_alpha=None, activation="silu",
       gate_up_bias=None, interleaved=False):
-    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias)
-    extras = gate_up_bias is not None or interleaved
+    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias,
+                        interleaved)
+    extras = _extras(activation, gate_up_bias, interleaved)
     h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras)
     return (
         x.new_empty(x.shape),
@@ -263,7 +283,7 @@ def experts_backward(
     """(dx, d_weights, d_w_gate_up, d_w_down, d_gate_up_bias); the last is empty without a gate_up_bias.
 
     h, xs, routing, aw: what the forward kept (``experts``), each empty when not kept (recomputed)."""
-    extras = gate_up_bias is not None or interleaved
+    extras = _extras(activation, gate_up_bias, interleaved)
     gate = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation}
     if extras:
         gate.update(gate_up_bias=gate_up_bias, interleaved=interleaved)

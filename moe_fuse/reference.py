@@ -7,7 +7,9 @@ it is the contract the fused backward kernels implement.
 
 Notation: T tokens, k experts per token, S = T*k routed rows, E experts,
 H hidden, I intermediate. ``w_gate_up`` is [E, 2I, H] with the gate rows first,
-``w_down`` is [E, H, I] (transformers 5.x layout).
+``w_down`` is [E, H, I] (transformers 5.x layout). Experts without a gate (``UNGATED``
+activations: Nemotron-H's squared ReLU) have an up projection only: ``w_gate_up`` is then
+[E, I, H] and h [S, I].
 """
 
 from __future__ import annotations
@@ -85,7 +87,26 @@ def clamp_gate_up(gate, up, limit: float | None):
     return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
 
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2")
+# Activations of experts without a gate: a = act(up) (transformers' ``has_gate=False``). "relu2" is
+# transformers' ReLUSquaredActivation, relu(up)^2 (Nemotron-H).
+UNGATED = ("relu2",)
+
+
+def gated(activation: str) -> bool:
+    """Whether experts with this activation have a gate (W_gate_up [E, 2I, H]) or an up projection only
+    (W_gate_up [E, I, H])."""
+    return activation not in UNGATED
+
+
+def ungated_act(up, activation: str = "relu2"):
+    """act(up) of experts without a gate, spelled as transformers spells it (in up's dtype)."""
+    return torch.square(F.relu(up))
+
+
+def ungated_act_grad(up, activation: str = "relu2"):
+    """d act(up) / d up, in up's dtype: 2 relu(up)."""
+    return 2.0 * F.relu(up)
 
 # gelu with the tanh approximation is x * sigmoid(GELU_C * (x + GELU_A * x^3)): 0.5 * (1 + tanh(z)) = sigmoid(2z).
 GELU_A = 0.044715
@@ -134,7 +155,9 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, sw
 
     Rounds like transformers' grouped_mm path: each GEMM in the weights' dtype,
     the routing weight applied with type promotion, the sum over k, then a cast to x.dtype.
-    ``save_h`` also returns h [S, 2I], the pre-activation gate | up of each row in
+    An ``UNGATED`` activation: y[t] = sum_j weights[t,j] * W_down[e] act(W_up[e] x[t]), W_up = w_gate_up [E, I, H].
+
+    ``save_h`` also returns h [S, 2I] ([S, I] ungated), the pre-activation gate | up of each row in
     ``expert_order`` (sentinel rows zero; without the bias), the layout the Triton backward reads.
     """
     T, H = x.shape
@@ -150,6 +173,9 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, sw
             h[rows] = h_rows
         if gate_up_bias is not None:
             h_rows = h_rows + gate_up_bias[e].to(h_rows.dtype)
+        if not gated(activation):
+            ys[rows] = ungated_act(h_rows, activation) @ w_down[e].t()
+            continue
         gate, up = clamp_gate_up(*split_gate_up(h_rows, interleaved), limit)
         ys[rows] = glu(gate, up, glu_alpha, activation) @ w_down[e].t()
     y_slots = torch.empty_like(ys)
@@ -194,6 +220,16 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float
         h = xs[rows] @ wgu[e].t()
         if gate_up_bias is not None:
             h = h + gate_up_bias[e].to(ct)
+        if not gated(activation):
+            a = ungated_act(h, activation)
+            y = a @ wd[e].t()
+            dw_rows[rows] = (dys[rows] * y).sum(dim=-1)
+            d_y = dys[rows] * ws[rows, None]
+            d_wd[e] = d_y.t() @ a
+            d_h = (d_y @ wd[e]) * ungated_act_grad(h, activation)
+            d_wgu[e] = d_h.t() @ xs[rows]
+            dx_rows[rows] = d_h @ wgu[e]
+            continue
         raw_gate, raw_up = split_gate_up(h, interleaved)
         gate, up = clamp_gate_up(raw_gate, raw_up, limit)
         u, du = _gate_slope(gate, glu_alpha, activation)

@@ -29,7 +29,8 @@ class RouterSpec:
 @dataclass(frozen=True)
 class ExpertsSpec:
     """SwiGLU experts over [E, 2I, H] gate_up (gate rows first) and [E, H, I] down weights, optionally
-    with gate and up clamped at ``swiglu_limit``."""
+    with gate and up clamped at ``swiglu_limit``; or experts without a gate (``layout="up_only"``,
+    ``activation="relu2"``: an [E, I, H] up projection and a squared ReLU, Nemotron-H)."""
 
     num_experts: int
     top_k: int
@@ -45,6 +46,7 @@ class ExpertsSpec:
     # the GPT-OSS-style gate (MiniMax-M3-VL): gate * sigmoid(glu_alpha * gate) * (up + 1) instead of silu(gate) * up
     glu_alpha: float | None = None
     # "gelu_tanh": GeGLU, gelu(gate, approximate="tanh") * up (Gemma 4), instead of silu(gate) * up
+    # "relu2": no gate, relu(up)^2 (Nemotron-H)
     activation: str = "silu"
     # GPT-OSS: a bias per expert on the gate_up and on the down projection
     gate_up_bias: bool = False

@@ -8,7 +8,8 @@ registers a forward ``(self, hidden_states, top_k_index, top_k_weights) -> Tenso
 in transformers' ``ALL_EXPERTS_FUNCTIONS``. On an experts module with the
 standard layout (gate_up [E, 2I, H] with the gate rows first or interleaved with the up rows
 (``is_concatenated=False``), down [E, H, I], or both stored transposed: ``is_transposed``;
-optionally a bias per expert on each (``has_bias``); silu or tanh-approximated gelu, no post-expert
+optionally a bias per expert on each (``has_bias``); silu or tanh-approximated gelu; or without a gate
+(``has_gate=False``: an up projection [E, I, H] and a squared ReLU, Nemotron-H); no post-expert
 norm, transformers' own gating, its clamped SwiGLU (``swiglu_limit``) or the GPT-OSS-style gate
 on those clamps (``swiglu_alpha``)) it is one ``torch.ops.moe_fuse.experts`` call, forward and
 backward (with biases, ``ops.experts_with_biases``: the op and a small GEMM for the down bias). Any other module runs transformers' ``grouped_mm`` forward instead, with a warning (once
@@ -55,11 +56,31 @@ def activation_of(act) -> str | None:
     return _PROVEN_ACTIVATIONS[key]
 
 
+def ungated_activation_of(act) -> str | None:
+    """The op's ``activation`` for the ``act_fn`` of experts without a gate: "relu2" (transformers'
+    ReLUSquaredActivation: relu(x)^2, proved on a probe), or None for anything else."""
+    key = ("ungated", type(act), repr(act))
+    if key not in _PROVEN_ACTIVATIONS:
+        probe = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 4
+        try:
+            got = act(probe)
+        except Exception:  # an activation that cannot run on a float32 CPU probe is no proven match
+            got = None
+        want = torch.square(F.relu(probe))
+        ok = isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype and bool(
+            torch.allclose(got, want, rtol=1e-6, atol=1e-6))
+        _PROVEN_ACTIVATIONS[key] = "relu2" if ok else None
+    return _PROVEN_ACTIVATIONS[key]
+
+
 def experts_gate_args(module) -> tuple | None:
     """The op's arguments after ``save_h`` for ``module`` (swiglu_limit, glu_alpha, activation, trailing
     defaults left out), or None when its gate is none the op computes."""
     from transformers.integrations.moe import _default_apply_gate
 
+    if not getattr(module, "has_gate", True):  # an up projection only
+        act = ungated_activation_of(getattr(module, "act_fn", None))
+        return None if act is None else (None, None, act)
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
         return gate_args(module)
     act = activation_of(getattr(module, "act_fn", None))
@@ -70,10 +91,12 @@ def unsupported_reason(module) -> str | None:
     """Why ``module`` cannot run as ``torch.ops.moe_fuse.experts``; None when it can."""
     from transformers.integrations.moe import _default_apply_gate
 
-    if not getattr(module, "has_gate", False):
-        return "experts without a gate (an up projection only)"
+    if not hasattr(module, "has_gate"):
+        return "no has_gate attribute (not transformers' experts interface)"
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert"
+    if not module.has_gate:
+        return _ungated_reason(module)
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
         if gate_args(module) is None:
             return f"a custom gating function ({type(module).__name__}._apply_gate)"
@@ -98,6 +121,25 @@ def unsupported_reason(module) -> str | None:
     return None
 
 
+def _ungated_reason(module) -> str | None:
+    """``unsupported_reason`` of experts without a gate (an up projection only: Nemotron-H)."""
+    act = getattr(module, "act_fn", None)
+    if ungated_activation_of(act) is None:
+        return f"no gate and activation {type(act).__name__}, not a squared ReLU"
+    if getattr(module, "has_bias", False):
+        return "no gate and a bias per expert (not fused yet)"
+    for name in ("up_proj", "down_proj"):
+        w = getattr(module, name, None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            return f"no 3-D {name} parameter"
+    w_up, w_down = _op_weights(module)
+    E, I, H = w_up.shape
+    if tuple(w_down.shape) != (E, H, I):
+        layout = "[E, H, I] and [E, I, H]" if getattr(module, "is_transposed", False) else "[E, I, H] and [E, H, I]"
+        return f"up_proj {tuple(module.up_proj.shape)} and down_proj {tuple(module.down_proj.shape)} are not {layout}"
+    return None
+
+
 def _interleaved(module) -> bool:
     """gate and up rows alternate in gate_up_proj: transformers' ``is_concatenated=False`` (GPT-OSS) on a module
     with a gate of its own, which ``gate_args`` proves on that split (transformers' default gate always takes the
@@ -109,10 +151,12 @@ def _interleaved(module) -> bool:
 
 
 def _op_weights(module):
-    """(W_gate_up [E, 2I, H], W_down [E, H, I]) as the op takes them: views of weights stored transposed."""
+    """(W_gate_up [E, 2I, H] (W_up [E, I, H] without a gate), W_down [E, H, I]) as the op takes them: views of
+    weights stored transposed."""
+    first = module.gate_up_proj if getattr(module, "has_gate", True) else module.up_proj
     if getattr(module, "is_transposed", False):
-        return module.gate_up_proj.transpose(-2, -1), module.down_proj.transpose(-2, -1)
-    return module.gate_up_proj, module.down_proj
+        return first.transpose(-2, -1), module.down_proj.transpose(-2, -1)
+    return first, module.down_proj
 
 
 _PROVEN_GATES: dict = {}

@@ -33,6 +33,13 @@ def transposed(w) -> bool:
     return w.dim() == 3 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous()
 
 
+def _extras(activation: str, gate_up_bias, interleaved: bool) -> bool:
+    """What only grouped_mm_path computes: a gate_up bias, interleaved gate/up rows, experts without a gate."""
+    from ..reference import gated
+
+    return gate_up_bias is not None or interleaved or not gated(activation)
+
+
 def uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool:
     """True when the training forward (save_h) and the backward of these inputs take grouped_mm_path.
 
@@ -48,7 +55,8 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
                     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
                     gate_up_bias=None, interleaved: bool = False):
     """See forward.experts_forward: same result as reference.experts_forward (with its swiglu_limit, glu_alpha,
-    activation, gate_up_bias, interleaved; the last two on grouped_mm_path only: ``supports_layout``).
+    activation, gate_up_bias, interleaved; the last two and the activations without a gate on grouped_mm_path
+    only: ``supports(extras=True)``).
 
     save_h: (y, h, routing); with keep_rows too: (y, h, routing, xs, aw), on grouped_mm_path the
     weight gradients' operands its backward reads (xs the expert-sorted rows of x, aw the weighted
@@ -60,15 +68,15 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     # Weights stored transposed take the path without h too: the fused Triton GEMMs would read them through
     # pointer loads (their TMA descriptors need the contiguous layout).
     stored_transposed = transposed(w_gate_up) or transposed(w_down)
-    extras = gate_up_bias is not None or interleaved
+    extras = _extras(activation, gate_up_bias, interleaved)
     if (save_h or stored_transposed or extras) and uses_grouped_mm(x, ids, w_gate_up, w_down):
         return grouped_mm_path.experts_forward(
             x, ids, weights, w_gate_up, w_down, save_h=save_h, keep_rows=keep_rows, swiglu_limit=swiglu_limit,
             glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias, interleaved=interleaved,
         )
     if extras:
-        raise ValueError("experts_forward: gate_up_bias and interleaved gate/up rows run on grouped_mm_path only "
-                         "(CUDA sm90+, bf16); elsewhere use reference.experts_forward")
+        raise ValueError("experts_forward: gate_up_bias, interleaved gate/up rows and experts without a gate run on "
+                         "grouped_mm_path only (CUDA sm90+, bf16); elsewhere use reference.experts_forward")
     out = impl(x, ids, weights, w_gate_up, w_down, save_h=save_h, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
                activation=activation)
     return (*out, None, None) if save_h and keep_rows else out
@@ -90,9 +98,9 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
             dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, xs=xs, aw=aw, swiglu_limit=swiglu_limit,
             glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias, interleaved=interleaved,
         )
-    if gate_up_bias is not None or interleaved:
-        raise ValueError("experts_backward: gate_up_bias and interleaved gate/up rows run on grouped_mm_path only "
-                         "(CUDA sm90+, bf16); elsewhere use reference.experts_backward")
+    if _extras(activation, gate_up_bias, interleaved):
+        raise ValueError("experts_backward: gate_up_bias, interleaved gate/up rows and experts without a gate run on "
+                         "grouped_mm_path only (CUDA sm90+, bf16); elsewhere use reference.experts_backward")
     return impl(dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, swiglu_limit=swiglu_limit,
                 glu_alpha=glu_alpha, activation=activation)
 
@@ -100,8 +108,8 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
 def supports(x, ids, weights, w_gate_up, w_down, *, extras: bool = False) -> bool:
     """True when experts_forward handles these inputs (CUDA, or CPU under a usable Triton interpreter).
 
-    extras: with a gate_up bias or interleaved gate/up rows, which only grouped_mm_path computes (the fused
-    Triton GEMMs have neither in their epilogues)."""
+    extras: with a gate_up bias, interleaved gate/up rows or no gate (an up projection only), which only
+    grouped_mm_path computes (the fused Triton GEMMs have none of these in their epilogues)."""
     from .forward import supports as impl
 
     return impl(x, ids, weights, w_gate_up, w_down) and (not extras or uses_grouped_mm(x, ids, w_gate_up, w_down))

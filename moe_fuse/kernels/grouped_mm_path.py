@@ -24,6 +24,9 @@ on the 30B layer.
               dW_gate_up[e] = d_h[e]^T xs[e];  dW_down[e] = dys[e]^T aw[e];  d_bias[e] = sum of d_h[e]
               o' = d_h @ W_gate_up[e]              [S, H];  dx[t] = sum_j o'[pos[t, j]]
 
+Experts without a gate (``reference.UNGATED``: Nemotron-H) take the same steps with W_up [E, I, H] in place of
+W_gate_up, h [S, I], and the passes of ``ungated.py`` in place of SwiGLU and dSwiGLU.
+
 Groups are ``offsets[1:]``: rows past offsets[E] (expert-parallel sentinels) are in no group, so
 ``_grouped_mm`` leaves them unwritten and no later step reads them. An expert without rows gets
 zero weight gradients. Every step is deterministic (no atomics, no split-K).
@@ -34,10 +37,11 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ..reference import limit_in
+from ..reference import gated, limit_in
 from ._jit import cdiv, interpreting, lazy_jit
 from . import gluon_ragged
 from . import transposed
+from . import ungated
 from .backward import bias_operands, check_saved_h, dswiglu, expert_sums
 from .permute import combine_sorted, expand_rows
 from .ragged_gemm import ragged_gemm, tile_map
@@ -227,7 +231,10 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
         h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # same bits as below
     else:
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
-        aw = swiglu(h, routing, rw, swiglu_limit, glu_alpha, activation, gate_up_bias, ids, interleaved)
+        if gated(activation):
+            aw = swiglu(h, routing, rw, swiglu_limit, glu_alpha, activation, gate_up_bias, ids, interleaved)
+        else:  # up projection only: h [S, I]
+            aw = ungated.act(h, routing, rw, activation)
     if not (save_h and keep_rows):
         del xs
     o = _row_gemm(aw, w_down, tiles, ends, w_kmajor=True)
@@ -276,10 +283,14 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
         dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
     else:
         g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
-        dh, aw_now, d_weights = dswiglu(
-            g, h, rw, routing, weights.dtype, write_aw=aw is None, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
-            activation=activation, gate_up_bias=gate_up_bias, ids=ids, interleaved=interleaved,
-        )
+        if gated(activation):
+            dh, aw_now, d_weights = dswiglu(
+                g, h, rw, routing, weights.dtype, write_aw=aw is None, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
+                activation=activation, gate_up_bias=gate_up_bias, ids=ids, interleaved=interleaved,
+            )
+        else:  # d_h [S, I]
+            dh, aw_now, d_weights = ungated.dact(g, h, rw, routing, weights.dtype, write_aw=aw is None,
+                                                 activation=activation)
         aw = aw_now if aw is None else aw
         del g
     # One stream: each CUTLASS GEMM fills every SM, so a weight-gradient GEMM on a second stream only

@@ -39,6 +39,11 @@ def _function_names():
         torch.histc: "histc",
         torch.cumsum: "cumsum",
         F.silu: "silu",
+        F.relu: "relu",
+        torch.relu: "relu",
+        torch.square: "square",
+        torch.pow: "pow",
+        operator.pow: "pow",
         torch._C._nn.gelu: "gelu",  # = F.gelu
         torch.sigmoid: "sigmoid",
         operator.add: "add",

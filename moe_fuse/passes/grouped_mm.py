@@ -18,6 +18,9 @@
     inv = empty_like(perm); inv[perm] = arange(S)
     y = out[inv].view(T, k, H).sum(dim=1).to(x.dtype)
 
+Experts without a gate (transformers' ``has_gate=False``, Nemotron-H) run ``h = grouped_mm(xs, W_up^T)`` and
+``act = square(relu(h))`` instead of the chunk and the gated activation.
+
 Models that store their expert weights [E, in, out] (transformers' ``is_transposed``: Aria, GPT-OSS) pass
 W_gate_up and W_down to the GEMMs as they are, without the transposes; the op then reads their transposes
 (views). GPT-OSS's biases and interleaved gate/up rows go to ``ops.experts_with_biases``.
@@ -208,13 +211,24 @@ def match(up_mm: fx.Node) -> Candidate:
     if len(shape_of(x)) != 2 or not same_size(shape_of(x)[0], T) or shape_of(x)[1] != H:
         raise NoMatch(f"hidden states {shape_of(x)} do not fit [{T}, {H}]", gathered)
 
-    # gate_up GEMM -> [bias] -> [mask] -> chunk(2) or even / odd columns -> silu(gate) * up -> down GEMM.
+    # gate_up GEMM -> [bias] -> [mask] -> chunk(2) or even / odd columns -> silu(gate) * up -> down GEMM;
+    # or, for experts without a gate, up GEMM -> [mask] -> relu(up)^2 -> down GEMM.
     biased, gate_up_bias = _skip_bias(up_mm, sorted_ids, (E, two_i), "gate_up")
     masks = [u for u in biased.users if is_op(u, "masked_fill")]
     mask = masks[0].args[1] if len(masks) == 1 else None
-    gate, up, interleaved = _gate_up_split(masks[0] if mask is not None else biased)
-    gate, up, swiglu_limit = match_swiglu_limit(gate, up)
-    glu, glu_alpha, activation = match_glu(gate, up)
+    h = masks[0] if mask is not None else biased
+    if any(is_op(u, "relu") for u in h.users):
+        if gate_up_bias is not None:
+            raise NoMatch("experts without a gate with a bias on the up projection (not fused yet)", up_mm)
+        glu, activation = match_ungated(h), "relu2"
+        swiglu_limit = glu_alpha = None
+        interleaved = False
+        I = two_i
+    else:
+        gate, up, interleaved = _gate_up_split(h)
+        gate, up, swiglu_limit = match_swiglu_limit(gate, up)
+        glu, glu_alpha, activation = match_glu(gate, up)
+        I = two_i // 2
     down_mm = glu
     while not is_op(down_mm, "grouped_mm"):
         down_mm = user_of(down_mm, "to", "grouped_mm", "contiguous")
@@ -224,7 +238,7 @@ def match(up_mm: fx.Node) -> Candidate:
     w_down, down_transposed = _expert_weight(w_d_t, "down")
     if down_transposed != stored_transposed:
         raise NoMatch("one expert weight is stored transposed and the other is not", down_mm)
-    if shape_of(w_down) != ((E, two_i // 2, H) if stored_transposed else (E, H, two_i // 2)):
+    if shape_of(w_down) != ((E, I, H) if stored_transposed else (E, H, I)):
         raise NoMatch(f"down weight {shape_of(w_down)} does not fit gate_up {shape_of(w_gate_up)}", down_mm)
 
     # [bias] -> weighted combine: ys * weights[perm] -> un-permute -> view(T, k, H).sum(1).
@@ -254,14 +268,14 @@ def match(up_mm: fx.Node) -> Candidate:
         num_experts=E,
         top_k=k,
         hidden=H,
-        intermediate=two_i // 2,
+        intermediate=I,
         dtype=dtype_of(x),
         weights_dtype=dtype_of(weights),
         expert_parallel_sentinels=mask is not None or mask2 is not None,
         swiglu_limit=swiglu_limit,
         glu_alpha=glu_alpha,
         activation=activation,
-        layout="gate_up_interleaved" if interleaved else "gate_up_concat",
+        layout="up_only" if activation == "relu2" else "gate_up_interleaved" if interleaved else "gate_up_concat",
         gate_up_bias=gate_up_bias is not None,
         down_bias=down_bias is not None,
     )
@@ -276,6 +290,21 @@ def match(up_mm: fx.Node) -> Candidate:
                                         up_mm, notes, stored_transposed, interleaved)
     return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm, notes,
                              stored_transposed=stored_transposed)
+
+
+def match_ungated(h: fx.Node) -> fx.Node:
+    """The activation of experts without a gate (transformers' ``has_gate=False``) -> its node: transformers'
+    ReLUSquaredActivation (Nemotron-H), ``square(relu(up))``, or the same as ``pow(relu(up), 2)`` or
+    ``relu(up) * relu(up)``."""
+    relu = user_of(h, "relu")
+    if arg(relu, 1, "inplace", False):
+        raise NoMatch("an in-place relu", relu)
+    sq = user_of(relu, "square", "pow", "mul")
+    if is_op(sq, "pow") and (len(sq.args) != 2 or sq.args[0] is not relu or sq.args[1] != 2):
+        raise NoMatch(f"relu(up) raised to {sq.args[1:]}, expected the power 2 (squared ReLU)", sq)
+    if is_op(sq, "mul") and list(sq.args) != [relu, relu]:
+        raise NoMatch("relu(up) multiplied by something else than itself, expected relu(up)^2", sq)
+    return sq
 
 
 def _literal(node: fx.Node):
