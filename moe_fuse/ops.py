@@ -154,13 +154,14 @@ def _extras(activation: str, gate_up_bias, interleaved: bool) -> bool:
     return gate_up_bias is not None or interleaved or not reference.gated(activation)
 
 
-def _on_kernels(x, ids, weights, w_gate_up, w_down, extras: bool) -> bool:
+def _on_kernels(x, ids, weights, w_gate_up, w_down, extras: bool, gated: bool = True) -> bool:
     """Whether the Triton kernels compute this call (else the reference). extras: ``_extras``, which only their
-    grouped_mm path has."""
-    return x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down, extras=extras)
+    grouped_mm path has; gated False: experts without a gate (one of them)."""
+    return x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down, extras=extras, gated=gated)
 
 
-def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras: bool = False) -> tuple[int, int, int]:
+def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras: bool = False, gated: bool = True
+                 ) -> tuple[int, int, int]:
     """(rows of h, rows of xs and of aw, elements of the routing) that the forward keeps for the backward.
 
     From shapes, dtypes and devices only: the real and the fake implementation both size their
@@ -171,7 +172,7 @@ def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras: bool = Fals
     if not save_h:
         return 0, 0, 0
     S = ids.shape[0] * ids.shape[1]
-    if not _on_kernels(x, ids, weights, w_gate_up, w_down, extras):
+    if not _on_kernels(x, ids, weights, w_gate_up, w_down, extras, gated):
         return S, 0, 0
     rows = S if kernels.uses_grouped_mm(x, ids, w_gate_up, w_down) else 0
     return S, rows, kernels.routing_buffer_size(S, w_gate_up.shape[0])
@@ -206,7 +207,8 @@ def experts(
     _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias,
                         interleaved)
     extras = _extras(activation, gate_up_bias, interleaved)
-    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras)
+    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras,
+                                                   reference.gated(activation))
     lim = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation,
            "gate_up_bias": gate_up_bias, "interleaved": interleaved}
     if routing_size:
@@ -216,7 +218,7 @@ def experts(
         if not xs_rows:
             xs, aw = _empty(x, x.shape[1]), _empty(w_down, w_down.shape[2])
         return y, h, xs, routing.buf, aw
-    if _on_kernels(x, ids, weights, w_gate_up, w_down, extras):  # without save_h
+    if _on_kernels(x, ids, weights, w_gate_up, w_down, extras, reference.gated(activation)):  # without save_h
         y = kernels.experts_forward(x, ids, weights, w_gate_up, w_down, **lim)
         h = _empty(w_gate_up, w_gate_up.shape[1])
     elif save_h:
@@ -264,7 +266,8 @@ def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_a
     _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias,
                         interleaved)
     extras = _extras(activation, gate_up_bias, interleaved)
-    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras)
+    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras,
+                                                   reference.gated(activation))
     return (
         x.new_empty(x.shape),
         w_gate_up.new_empty((h_rows, w_gate_up.shape[1])),
@@ -287,7 +290,7 @@ def experts_backward(
     gate = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation}
     if extras:
         gate.update(gate_up_bias=gate_up_bias, interleaved=interleaved)
-    if dy.is_cuda and _on_kernels(x, ids, weights, w_gate_up, w_down, extras):
+    if dy.is_cuda and _on_kernels(x, ids, weights, w_gate_up, w_down, extras, reference.gated(activation)):
         S, E = ids.shape[0] * ids.shape[1], w_gate_up.shape[0]
         grads = kernels.experts_backward(  # makes dy contiguous itself
             dy, x, ids, weights, w_gate_up, w_down, h if h.numel() else None,

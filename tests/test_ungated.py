@@ -135,12 +135,14 @@ def test_dispatch_takes_the_grouped_mm_path_or_the_reference(monkeypatch):
         kernels.experts_forward(*args, activation="relu2")
     with pytest.raises(ValueError, match="experts without a gate run on grouped_mm_path only"):
         kernels.experts_backward(dy, *args, activation="relu2")
+    assert not kernels.supports(*args, gated=False)  # what the op asks: here the reference computes them
     calls = []
     for name in ("experts_forward", "experts_backward"):
         real = getattr(grouped_mm_path, name)
         monkeypatch.setattr(grouped_mm_path, name,
                             lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     monkeypatch.setattr(grouped_mm_path, "applies", lambda *a: True)
+    assert kernels.supports(*args, gated=False)  # [E, I, H] up weights are no layout error
     y = kernels.experts_forward(*args, activation="relu2")  # inference too: the fused Triton forward has no relu2
     _, h, routing, xs, aw = kernels.experts_forward(*args, save_h=True, keep_rows=True, activation="relu2")
     grads = kernels.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, activation="relu2")

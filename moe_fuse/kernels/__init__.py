@@ -12,7 +12,7 @@ Public:
     experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None,
                      swiglu_limit=None, glu_alpha=None, activation="silu", gate_up_bias=None, interleaved=False)
         -> (dx, d_weights, d_w_gate_up, d_w_down[, d_gate_up_bias])
-    supports(x, ids, weights, w_gate_up, w_down, *, extras=False) -> bool
+    supports(x, ids, weights, w_gate_up, w_down, *, extras=False, gated=True) -> bool
     uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool
     route(ids, num_experts) -> Routing(order, counts, offsets, pos, token, buf)
     routing_buffer_size(S, num_experts), routing_from_buffer(buf, S, num_experts)
@@ -105,14 +105,17 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
                 glu_alpha=glu_alpha, activation=activation)
 
 
-def supports(x, ids, weights, w_gate_up, w_down, *, extras: bool = False) -> bool:
+def supports(x, ids, weights, w_gate_up, w_down, *, extras: bool = False, gated: bool = True) -> bool:
     """True when experts_forward handles these inputs (CUDA, or CPU under a usable Triton interpreter).
 
     extras: with a gate_up bias, interleaved gate/up rows or no gate (an up projection only), which only
-    grouped_mm_path computes (the fused Triton GEMMs have none of these in their epilogues)."""
+    grouped_mm_path computes (the fused Triton GEMMs have none of these in their epilogues). gated False: the
+    weights are an up projection [E, I, H] and [E, H, I] (an extra too)."""
     from .forward import supports as impl
 
-    return impl(x, ids, weights, w_gate_up, w_down) and (not extras or uses_grouped_mm(x, ids, w_gate_up, w_down))
+    extras = extras or not gated
+    return impl(x, ids, weights, w_gate_up, w_down, gated=gated) and (
+        not extras or uses_grouped_mm(x, ids, w_gate_up, w_down))
 
 
 def route(ids, num_experts: int):

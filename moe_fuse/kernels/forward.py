@@ -12,8 +12,11 @@ from .routing import Routing, route
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def supports(x, ids, weights, w_gate_up, w_down) -> bool:
-    """True when ``experts_forward`` handles these inputs; the op falls back to the reference otherwise."""
+def supports(x, ids, weights, w_gate_up, w_down, *, gated: bool = True) -> bool:
+    """True when ``experts_forward`` handles these inputs; the op falls back to the reference otherwise.
+
+    gated False: experts without a gate, w_gate_up the up projection [E, I, H] (only grouped_mm_path computes them:
+    ``kernels.supports``)."""
     tensors = (x, ids, weights, w_gate_up, w_down)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return False
@@ -36,9 +39,9 @@ def supports(x, ids, weights, w_gate_up, w_down) -> bool:
         return False
     T, H = x.shape
     E, two_i, h2 = w_gate_up.shape
-    if ids.shape != weights.shape or ids.shape[0] != T or h2 != H or two_i % 2:
+    if ids.shape != weights.shape or ids.shape[0] != T or h2 != H or (gated and two_i % 2):
         return False
-    if tuple(w_down.shape) != (E, H, two_i // 2):
+    if tuple(w_down.shape) != (E, H, two_i // 2 if gated else two_i):
         return False
     # Empty hidden or intermediate sizes or no experts: nothing for a GEMM kernel to do; leave them to the reference.
     return H > 0 and two_i > 0 and E > 0
