@@ -6,13 +6,15 @@
 H 2688, I 1856, E 128, k 6, router counts (top-k of a random router), bf16. The four row-ragged GEMMs
 (up [S,H]x[E,I,H]^T, down [S,I]x[E,H,I]^T, dgrad [S,H]x[E,H,I], dx [S,I]x[E,I,H]) through
 ``kernels/ragged_gemm.py`` at its 128x256 tiles and at 128x128, and through ``torch._grouped_mm`` (CUTLASS),
-timed in turn (do_bench medians); every variant's output compared bitwise with CUTLASS's. Then the experts op
-(``activation="relu2"``) forward + backward with ``ragged_gemm.NARROW_TAILS`` off and on, in turn, and whether
-the two give the same bits.
+timed in turn (do_bench medians); every variant's output compared bitwise with CUTLASS's.
 
 Why ask: 256-wide N tiles compute 2048 columns for I = 1856 (+10%) and 2816 for H = 2688 (+5%); 128-wide ones
 1920 (+3%) and 2688 (none), at twice the weight-tile loads per FLOP. Qwen3's N (768, 1536, 2048) are whole
 multiples of 256, so this choice never arises there.
+
+Answer (bench/results/probe_ungated_tiles{,_t4096}_2026-12-03.log): 128-wide tiles were slower on all four GEMMs at
+T=16384 and 4096, and the relu2 op's forward + backward too, with 128x128 chosen for those N (a switch at a5ba44f,
+removed after): 12.63-13.07 ms against 12.03-12.67 at T=16384, bitwise equal.
 """
 
 import argparse
@@ -23,8 +25,6 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import moe_fuse.ops  # noqa: E402,F401
-from moe_fuse.kernels import ragged_gemm as ragged_module  # noqa: E402
 from moe_fuse.kernels.ragged_gemm import GPU_CONFIG, RaggedConfig, ragged_gemm, tile_map  # noqa: E402
 from moe_fuse.kernels.routing import route  # noqa: E402
 
@@ -50,7 +50,7 @@ def main():
     w_down = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16, generator=gen) * I**-0.5
     xs = torch.randn(S, H, device=dev, dtype=torch.bfloat16, generator=gen)
     a = torch.randn(S, I, device=dev, dtype=torch.bfloat16, generator=gen)
-    # name: (A, weights, b_kmajor, FLOPs)
+    # name: (A, weights, b_kmajor)
     gemms = {"up": (xs, w_up, True), "down": (a, w_down, True), "dgrad": (xs, w_down, False), "dx": (a, w_up, False)}
     print(f"{torch.cuda.get_device_name()} T={T} S={S}; expert rows min/max {int(r.counts.min())}/{int(r.counts.max())}")
     for name, (A, W, kmajor) in gemms.items():
@@ -71,33 +71,6 @@ def main():
         line = ", ".join(f"{n} {min(t):.3f} ms ({flop / min(t) / 1e9:.0f} TFLOP/s{'' if same[n] else ', DIFFERS'})"
                          for n, t in times.items())
         print(f"  {name:<5} N={N} K={A.shape[1]}: {line}", flush=True)
-    op_ab(x, ids, w_up, w_down, args.rounds)
-
-
-def op_ab(x, ids, w_up, w_down, rounds):
-    T = x.shape[0]
-    w = torch.rand(T, K, device=x.device).softmax(-1).bfloat16()
-    leaves = [t.detach().requires_grad_() for t in (x, w, w_up, w_down)]
-    dy = torch.randn_like(x)
-
-    def step():
-        y = torch.ops.moe_fuse.experts(leaves[0], ids, *leaves[1:], True, None, None, "relu2")[0]
-        return (y.detach(), *torch.autograd.grad(y, leaves, dy))
-
-    out, times = {}, {False: [], True: []}
-    for narrow in (False, True):
-        ragged_module.NARROW_TAILS = narrow
-        out[narrow] = step()
-    for _ in range(rounds):
-        for narrow in (False, True):
-            ragged_module.NARROW_TAILS = narrow
-            times[narrow].append(do_bench(step, warmup=10, rep=200))
-    same = all(torch.equal(a, b) for a, b in zip(out[False], out[True]))
-    flop = 3 * 4 * T * K * H * I
-    for narrow, ts in times.items():
-        print(f"  op fwd+bwd T={T}, NARROW_TAILS={narrow}: {' / '.join(f'{t:.3f}' for t in ts)} ms "
-              f"({flop / min(ts) / 1e9:.0f} TFLOP/s)", flush=True)
-    print(f"  y and every gradient bitwise equal between the two: {same}", flush=True)
 
 
 if __name__ == "__main__":

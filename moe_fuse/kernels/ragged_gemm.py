@@ -43,17 +43,7 @@ class RaggedConfig:
 
 # 128x256x64, 8 warps, 3 stages: the best of 400b600's sweep (bench/results/probe_ragged_gemm_2026-12-01.log).
 GPU_CONFIG = RaggedConfig(128, 256, 64, 8, 3)
-# For an N that 256-wide tiles cover badly (N % 256 in (0, 128]: Nemotron-H's I = 1856, H = 2688), 128-wide
-# ones: NARROW_TAILS off always takes GPU_CONFIG (an A/B switch for bench/probe_ungated_tiles_gpu.py).
-NARROW_CONFIG = RaggedConfig(128, 128, 64, 8, 4)
-NARROW_TAILS = True
 INTERPRETER_CONFIG = RaggedConfig(16, 32, 32, 4, 1)
-
-
-def gpu_config(N: int) -> RaggedConfig:
-    """The launch setting for an output N columns wide on the GPU (same block_m for every N, so one tile map
-    serves all of a pass's GEMMs)."""
-    return NARROW_CONFIG if NARROW_TAILS and 0 < N % GPU_CONFIG.block_n <= NARROW_CONFIG.block_n else GPU_CONFIG
 
 
 def block_m() -> int:
@@ -212,7 +202,7 @@ def ragged_gemm(
         )
     R = a.shape[0]
     interpret = interpreting()
-    cfg = config or (INTERPRETER_CONFIG if interpret else gpu_config(N))
+    cfg = config or (INTERPRETER_CONFIG if interpret else GPU_CONFIG)
     if tiles.dtype != torch.int32 or tiles.numel() != 1 + 3 * (R // cfg.block_m + E):
         raise ValueError(
             f"ragged_gemm: tiles ({tiles.numel()} {tiles.dtype}) is not tile_map(offsets, rows={R}) of {E} experts"
@@ -251,4 +241,4 @@ def ragged_gemm(
     return out
 
 
-__all__ = ["RaggedConfig", "block_m", "gpu_config", "ragged_gemm", "tile_map"]
+__all__ = ["RaggedConfig", "block_m", "ragged_gemm", "tile_map"]
