@@ -164,3 +164,36 @@ def forward(self, L_hidden_states_ : torch.Tensor, L_self_modules_router_paramet
     to_6 = add_1.to(torch.float32);  add_1 = None
     hidden_states_2 = to_6.reshape(2, 5, 32);  to_6 = None
     return (hidden_states_2, getitem_15)""")
+
+
+class TestRewrittenUngatedGraph(expecttest.TestCase):
+    def test_nemotron_h_block_experts_without_a_gate(self):
+        """Nemotron-H's experts have an up projection only and a squared ReLU: one experts op with "relu2"."""
+        import families as F
+
+        model, _ = F.build("nemotron_h")
+        block = model.model.layers[1].mixer  # layers: mamba, MoE, attention, MoE
+        H = model.config.hidden_size
+        self.assertExpectedInline(rewritten_code(block, torch.randn(2, 5, H)), """\
+def forward(self, L_hidden_states_ : torch.Tensor, L_self_modules_gate_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_gate_buffers_e_score_correction_bias_ : torch.Tensor, L_self_modules_experts_parameters_up_proj_ : torch.nn.parameter.Parameter, L_self_modules_experts_parameters_down_proj_ : torch.nn.parameter.Parameter, L_self_modules_shared_experts_modules_up_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_shared_experts_modules_down_proj_parameters_weight_ : torch.nn.parameter.Parameter):
+    l_hidden_states_ = L_hidden_states_
+    l_self_modules_gate_parameters_weight_ = L_self_modules_gate_parameters_weight_
+    l_self_modules_gate_buffers_e_score_correction_bias_ = L_self_modules_gate_buffers_e_score_correction_bias_
+    l_self_modules_experts_parameters_up_proj_ = L_self_modules_experts_parameters_up_proj_
+    l_self_modules_experts_parameters_down_proj_ = L_self_modules_experts_parameters_down_proj_
+    l_self_modules_shared_experts_modules_up_proj_parameters_weight_ = L_self_modules_shared_experts_modules_up_proj_parameters_weight_
+    l_self_modules_shared_experts_modules_down_proj_parameters_weight_ = L_self_modules_shared_experts_modules_down_proj_parameters_weight_
+    hidden_states = l_hidden_states_.view(-1, 32)
+    router_sigmoid_default = torch.ops.moe_fuse.router_sigmoid.default(hidden_states, l_self_modules_gate_parameters_weight_, l_self_modules_gate_buffers_e_score_correction_bias_, 2, 1, 1, False, False, True, 1e-20, 1.0, 'fp32_inputs', torch.float32);  hidden_states = l_self_modules_gate_parameters_weight_ = l_self_modules_gate_buffers_e_score_correction_bias_ = None
+    getitem_13 = router_sigmoid_default[1]
+    getitem_14 = router_sigmoid_default[2];  router_sigmoid_default = None
+    hidden_states_1 = l_hidden_states_.view(-1, 32)
+    experts_default = torch.ops.moe_fuse.experts.default(hidden_states_1, getitem_14, getitem_13, l_self_modules_experts_parameters_up_proj_, l_self_modules_experts_parameters_down_proj_, True, None, None, 'relu2');  hidden_states_1 = getitem_14 = getitem_13 = l_self_modules_experts_parameters_up_proj_ = l_self_modules_experts_parameters_down_proj_ = None
+    getitem_11 = experts_default[0];  experts_default = None
+    hidden_states_3 = getitem_11.view(2, 5, 32);  getitem_11 = None
+    linear_1 = torch._C._nn.linear(l_hidden_states_, l_self_modules_shared_experts_modules_up_proj_parameters_weight_, None);  l_hidden_states_ = l_self_modules_shared_experts_modules_up_proj_parameters_weight_ = None
+    relu_applied_1 = torch.nn.functional.relu(linear_1);  linear_1 = None
+    squared_1 = torch.square(relu_applied_1);  relu_applied_1 = None
+    linear_2 = torch._C._nn.linear(squared_1, l_self_modules_shared_experts_modules_down_proj_parameters_weight_, None);  squared_1 = l_self_modules_shared_experts_modules_down_proj_parameters_weight_ = None
+    hidden_states_4 = hidden_states_3 + linear_2;  hidden_states_3 = linear_2 = None
+    return (hidden_states_4,)""")

@@ -200,3 +200,50 @@ def test_eager_experts_implementation_runs_the_op():
             fused = families.loss_and_grads(model, inputs)
     assert gates == [RELU2, RELU2], gates
     assert_same_step(eager, fused)
+
+
+def test_shard_experts_refuses_experts_without_a_gate():
+    """The expert-parallel path computes gated experts only: a clear error before anything is touched (no process
+    group needed to say so)."""
+    from moe_fuse.parallel import shard_experts
+
+    model, _ = families.build("nemotron_h")
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"NemotronHExperts has no gate \(an up projection only\), which the "
+                                         r"expert-parallel experts do not compute yet; nothing was sharded"):
+        shard_experts(model)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_left_alone_on_a_gpu_where_the_op_would_run_its_reference(monkeypatch):
+    """On CUDA only the grouped_mm path computes experts without a gate (sm90+, bf16); elsewhere the op would run
+    its reference loop over the experts, slower than the graph: the pattern does not match there and says why.
+    Fake CUDA tensors stand in for the graph's metadata; bf16 on sm90 matches."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moe_fuse.passes.graph import NoMatch
+    from moe_fuse.passes.grouped_mm import _check_kernel_path
+
+    def nodes(dtype):
+        graph = fx.Graph()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            values = [torch.empty(6, 16, dtype=dtype, device="cuda"), torch.zeros(6, 2, dtype=torch.int64, device="cuda"),
+                      torch.empty(6, 2, dtype=dtype, device="cuda"), torch.empty(4, 8, 16, dtype=dtype, device="cuda"),
+                      torch.empty(4, 16, 8, dtype=dtype, device="cuda")]
+        out = []
+        for i, v in enumerate(values):
+            node = graph.placeholder(f"p{i}")
+            node.meta["example_value"] = v
+            out.append(node)
+        return out
+
+    monkeypatch.setattr(grouped_mm_path, "interpreting", lambda: False)
+    monkeypatch.setattr(grouped_mm_path, "_CAPABILITY", {0: 9})
+    _check_kernel_path(*nodes(torch.bfloat16), False, "relu2", None)  # sm90, bf16: the kernels take it
+    with pytest.raises(NoMatch, match=r"experts without a gate run fused on CUDA sm90\+ in bf16 only \(the "
+                                      r"grouped_mm path\); here the op would run its reference loop"):
+        _check_kernel_path(*nodes(torch.float32), False, "relu2", None)
+    monkeypatch.setattr(grouped_mm_path, "_CAPABILITY", {0: 8})  # an A100
+    with pytest.raises(NoMatch, match="experts without a gate run fused on CUDA sm90"):
+        _check_kernel_path(*nodes(torch.bfloat16), False, "relu2", None)

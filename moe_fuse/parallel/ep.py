@@ -67,6 +67,11 @@ def _is_experts_module(module: torch.nn.Module) -> bool:
     )
 
 
+def _is_ungated_experts(module: torch.nn.Module) -> bool:
+    """transformers' experts without a gate (``has_gate=False``: an up projection only, Nemotron-H)."""
+    return getattr(module, "has_gate", True) is False and isinstance(getattr(module, "up_proj", None), torch.nn.Parameter)
+
+
 def _not_computed(module: torch.nn.Module) -> str | None:
     """What a transformers experts module computes that the expert-parallel experts (plain SwiGLU over
     [E, 2I, H] and [E, H, I]) would not: a custom or clamped gate, another activation (gelu too), ...; None if
@@ -90,8 +95,12 @@ def shard_experts(
     in the module docstring. ``chunks=N`` pipelines it over N groups of local experts (``overlap.py``);
     None (the default) is the unchunked path. Raises ValueError when E is not a multiple of the group
     size or N is not in [1, E/W], or when an experts module computes something else than SwiGLU experts
-    (a custom or clamped gate, another activation). Returns ``model``.
+    (a custom or clamped gate, another activation, no gate at all). Returns ``model``.
     """
+    for module in model.modules():  # before anything else: these would silently stay unsharded
+        if _is_ungated_experts(module):
+            raise ValueError(f"shard_experts: {type(module).__name__} has no gate (an up projection only), which the "
+                             "expert-parallel experts do not compute yet; nothing was sharded")
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
