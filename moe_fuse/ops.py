@@ -148,20 +148,17 @@ def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, g
                          f"{tuple(gate_up_bias.shape)} {gate_up_bias.dtype}")
 
 
-def _extras(activation: str, gate_up_bias, interleaved: bool) -> bool:
-    """What only the kernels' grouped_mm path computes: a gate_up bias, interleaved gate/up rows, experts without
-    a gate."""
-    return gate_up_bias is not None or interleaved or not reference.gated(activation)
+def _on_kernels(x, ids, weights, w_gate_up, w_down, activation: str = "silu", gate_up_bias=None,
+                interleaved: bool = False) -> bool:
+    """Whether the Triton kernels compute this call (else the reference); what only their grouped_mm path computes
+    (``kernels.grouped_mm_only``) needs that path."""
+    return x.is_cuda and kernels.supports(
+        x, ids, weights, w_gate_up, w_down, extras=kernels.grouped_mm_only(activation, gate_up_bias, interleaved),
+        gated=reference.gated(activation))
 
 
-def _on_kernels(x, ids, weights, w_gate_up, w_down, extras: bool, gated: bool = True) -> bool:
-    """Whether the Triton kernels compute this call (else the reference). extras: ``_extras``, which only their
-    grouped_mm path has; gated False: experts without a gate (one of them)."""
-    return x.is_cuda and kernels.supports(x, ids, weights, w_gate_up, w_down, extras=extras, gated=gated)
-
-
-def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras: bool = False, gated: bool = True
-                 ) -> tuple[int, int, int]:
+def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, activation: str = "silu", gate_up_bias=None,
+                 interleaved: bool = False) -> tuple[int, int, int]:
     """(rows of h, rows of xs and of aw, elements of the routing) that the forward keeps for the backward.
 
     From shapes, dtypes and devices only: the real and the fake implementation both size their
@@ -172,7 +169,7 @@ def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras: bool = Fals
     if not save_h:
         return 0, 0, 0
     S = ids.shape[0] * ids.shape[1]
-    if not _on_kernels(x, ids, weights, w_gate_up, w_down, extras, gated):
+    if not _on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):
         return S, 0, 0
     rows = S if kernels.uses_grouped_mm(x, ids, w_gate_up, w_down) else 0
     return S, rows, kernels.routing_buffer_size(S, w_gate_up.shape[0])
@@ -206,9 +203,8 @@ def experts(
     """
     _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias,
                         interleaved)
-    extras = _extras(activation, gate_up_bias, interleaved)
-    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras,
-                                                   reference.gated(activation))
+    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, activation,
+                                                 gate_up_bias, interleaved)
     lim = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation,
            "gate_up_bias": gate_up_bias, "interleaved": interleaved}
     if routing_size:
@@ -218,7 +214,7 @@ def experts(
         if not xs_rows:
             xs, aw = _empty(x, x.shape[1]), _empty(w_down, w_down.shape[2])
         return y, h, xs, routing.buf, aw
-    if _on_kernels(x, ids, weights, w_gate_up, w_down, extras, reference.gated(activation)):  # without save_h
+    if _on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):  # without save_h
         y = kernels.experts_forward(x, ids, weights, w_gate_up, w_down, **lim)
         h = _empty(w_gate_up, w_gate_up.shape[1])
     elif save_h:
@@ -265,9 +261,8 @@ def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_a
       gate_up_bias=None, interleaved=False):
     _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias,
                         interleaved)
-    extras = _extras(activation, gate_up_bias, interleaved)
-    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, extras,
-                                                   reference.gated(activation))
+    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, activation,
+                                                 gate_up_bias, interleaved)
     return (
         x.new_empty(x.shape),
         w_gate_up.new_empty((h_rows, w_gate_up.shape[1])),
@@ -286,11 +281,10 @@ def experts_backward(
     """(dx, d_weights, d_w_gate_up, d_w_down, d_gate_up_bias); the last is empty without a gate_up_bias.
 
     h, xs, routing, aw: what the forward kept (``experts``), each empty when not kept (recomputed)."""
-    extras = _extras(activation, gate_up_bias, interleaved)
     gate = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation}
-    if extras:
+    if gate_up_bias is not None or interleaved:
         gate.update(gate_up_bias=gate_up_bias, interleaved=interleaved)
-    if dy.is_cuda and _on_kernels(x, ids, weights, w_gate_up, w_down, extras, reference.gated(activation)):
+    if dy.is_cuda and _on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):
         S, E = ids.shape[0] * ids.shape[1], w_gate_up.shape[0]
         grads = kernels.experts_backward(  # makes dy contiguous itself
             dy, x, ids, weights, w_gate_up, w_down, h if h.numel() else None,

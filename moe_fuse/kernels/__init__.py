@@ -13,6 +13,7 @@ Public:
                      swiglu_limit=None, glu_alpha=None, activation="silu", gate_up_bias=None, interleaved=False)
         -> (dx, d_weights, d_w_gate_up, d_w_down[, d_gate_up_bias])
     supports(x, ids, weights, w_gate_up, w_down, *, extras=False, gated=True) -> bool
+    grouped_mm_only(activation, gate_up_bias, interleaved) -> bool
     uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool
     route(ids, num_experts) -> Routing(order, counts, offsets, pos, token, buf)
     routing_buffer_size(S, num_experts), routing_from_buffer(buf, S, num_experts)
@@ -33,8 +34,9 @@ def transposed(w) -> bool:
     return w.dim() == 3 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous()
 
 
-def _extras(activation: str, gate_up_bias, interleaved: bool) -> bool:
-    """What only grouped_mm_path computes: a gate_up bias, interleaved gate/up rows, experts without a gate."""
+def grouped_mm_only(activation: str, gate_up_bias, interleaved: bool) -> bool:
+    """Whether these experts are what only grouped_mm_path computes: a gate_up bias, interleaved gate/up rows,
+    experts without a gate (the fused Triton GEMMs have none of these in their epilogues)."""
     from ..reference import gated
 
     return gate_up_bias is not None or interleaved or not gated(activation)
@@ -68,7 +70,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     # Weights stored transposed take the path without h too: the fused Triton GEMMs would read them through
     # pointer loads (their TMA descriptors need the contiguous layout).
     stored_transposed = transposed(w_gate_up) or transposed(w_down)
-    extras = _extras(activation, gate_up_bias, interleaved)
+    extras = grouped_mm_only(activation, gate_up_bias, interleaved)
     if (save_h or stored_transposed or extras) and uses_grouped_mm(x, ids, w_gate_up, w_down):
         return grouped_mm_path.experts_forward(
             x, ids, weights, w_gate_up, w_down, save_h=save_h, keep_rows=keep_rows, swiglu_limit=swiglu_limit,
@@ -98,7 +100,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
             dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, xs=xs, aw=aw, swiglu_limit=swiglu_limit,
             glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias, interleaved=interleaved,
         )
-    if _extras(activation, gate_up_bias, interleaved):
+    if grouped_mm_only(activation, gate_up_bias, interleaved):
         raise ValueError("experts_backward: gate_up_bias, interleaved gate/up rows and experts without a gate run on "
                          "grouped_mm_path only (CUDA sm90+, bf16); elsewhere use reference.experts_backward")
     return impl(dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, swiglu_limit=swiglu_limit,
@@ -162,6 +164,6 @@ def __getattr__(name):
 
 
 __all__ = [
-    "Routing", "experts_backward", "experts_forward", "route", "routing_buffer_size", "routing_from_buffer",
-    "softmax_topk", "softmax_topk_backward", "supports", "transposed", "uses_grouped_mm",
+    "Routing", "experts_backward", "experts_forward", "grouped_mm_only", "route", "routing_buffer_size",
+    "routing_from_buffer", "softmax_topk", "softmax_topk_backward", "supports", "transposed", "uses_grouped_mm",
 ]

@@ -103,7 +103,7 @@ def act(h: torch.Tensor, routing, rw: torch.Tensor, activation: str = "relu2") -
     """aw [S, I] = w * act(h) in h's dtype, sorted order; rw [T * k] the routing weights by row."""
     _check(h, activation)
     S, I = h.shape
-    a = torch.empty_like(h)
+    a = torch.empty(S, I, dtype=h.dtype, device=h.device)
     block_r, block_i = _blocks()
     _act_kernel[(cdiv(S, block_r),)](
         h, rw, routing.order, a, routing.offsets, S, I, routing.counts.numel(),
@@ -120,8 +120,8 @@ def dact(g: torch.Tensor, h: torch.Tensor, rw: torch.Tensor, routing, weights_dt
     if g.shape != h.shape:
         raise ValueError(f"ungated passes: g {tuple(g.shape)} and h {tuple(h.shape)} must both be [S, I]")
     S, I = g.shape
-    dh = torch.empty_like(g)
-    aw = torch.empty_like(g) if write_aw else None
+    dh = torch.empty(S, I, dtype=g.dtype, device=g.device)
+    aw = torch.empty(S, I, dtype=g.dtype, device=g.device) if write_aw else None
     d_weights = torch.empty(S, dtype=weights_dtype, device=g.device)
     block_r, block_i = _blocks()
     _dact_kernel[(cdiv(S, block_r),)](
