@@ -20,7 +20,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 import families  # noqa: E402
 from test_kernels_forward import DEVICE, make_case, poisoned_buffers, rel_err  # noqa: E402
 from test_ops import random_case  # noqa: E402
-from test_swiglu_limit import KERNEL_CASES, LIMIT, TOL, assert_same_step, check, experts_entries, run  # noqa: E402
+from test_swiglu_limit import (  # noqa: E402
+    KERNEL_CASES, LIMIT, TOL, assert_same_step, check, eager_interface_step, experts_entries, run,
+)
 
 import moe_fuse.ops  # noqa: E402,F401
 from moe_fuse import kernels, reference  # noqa: E402
@@ -143,26 +145,8 @@ def test_exact_gelu_is_left_alone_with_its_reason(tmp_path):
 def test_eager_experts_implementation_passes_the_activation():
     """``set_experts_implementation("moe_fuse")`` on Gemma 4: one fused op call per block with the gelu gate,
     no fallback, eager's loss and gradients."""
-    import warnings
-
-    import moe_fuse
-    from torch.overrides import TorchFunctionMode
-
-    moe_fuse.register_experts_implementation()
     model, inputs = families.build("gemma4")
     eager = families.loss_and_grads(model, inputs)
-    model.set_experts_implementation("moe_fuse")
-    gates = []
-
-    class Spy(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.moe_fuse.experts.default, torch.ops.moe_fuse.experts):
-                gates.append(tuple(args[6:]))
-            return func(*args, **(kwargs or {}))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a proven gelu gate does not fall back
-        with Spy():
-            fused = families.loss_and_grads(model, inputs)
+    fused, gates = eager_interface_step(model, inputs)
     assert gates == [GELU, GELU], gates
     assert_same_step(eager, fused)

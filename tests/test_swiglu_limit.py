@@ -294,29 +294,38 @@ def test_checkpointed_layers_keep_the_limit_and_recompute_h(tmp_path):
     assert_same_step(eager, fused)
 
 
-def test_eager_experts_implementation_passes_the_limit():
-    """``set_experts_implementation("moe_fuse")`` (no torch.compile) on a clamped family: one fused op call per
-    block, with the limit, and eager's loss and gradients."""
+def eager_interface_step(model, inputs):
+    """One training step with ``model.set_experts_implementation("moe_fuse")`` (no torch.compile), a fallback to
+    transformers' forward being an error: (its loss and gradients, each experts op call's arguments after save_h).
+    Shared by the gate tests."""
     import warnings
 
     import moe_fuse
     from torch.overrides import TorchFunctionMode
 
     moe_fuse.register_experts_implementation()
-    model, inputs = families.build("hy_v4", swiglu_limit=0.05)
-    eager = families.loss_and_grads(model, inputs)
     model.set_experts_implementation("moe_fuse")
-    limits = []
+    gates = []
 
     class Spy(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if func in (torch.ops.moe_fuse.experts.default, torch.ops.moe_fuse.experts):
-                limits.append(args[6] if len(args) > 6 else None)
+                gates.append(tuple(args[6:]))
             return func(*args, **(kwargs or {}))
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a proven clamped gate does not fall back
+        warnings.simplefilter("error")  # a proven gate does not fall back
         with Spy():
             fused = families.loss_and_grads(model, inputs)
+    return fused, gates
+
+
+def test_eager_experts_implementation_passes_the_limit():
+    """``set_experts_implementation("moe_fuse")`` (no torch.compile) on a clamped family: one fused op call per
+    block, with the limit, and eager's loss and gradients."""
+    model, inputs = families.build("hy_v4", swiglu_limit=0.05)
+    eager = families.loss_and_grads(model, inputs)
+    fused, gates = eager_interface_step(model, inputs)
+    limits = [g[0] if g else None for g in gates]
     assert limits == [0.05, 0.05], limits
     assert_same_step(eager, fused)

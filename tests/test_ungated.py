@@ -22,7 +22,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 import families  # noqa: E402
 from test_kernels_forward import DEVICE, make_case, poisoned_buffers, rel_err  # noqa: E402
 from test_ops import random_case  # noqa: E402
-from test_swiglu_limit import KERNEL_CASES, TOL, assert_same_step, check, experts_entries, run  # noqa: E402
+from test_swiglu_limit import (  # noqa: E402
+    KERNEL_CASES, TOL, assert_same_step, check, eager_interface_step, experts_entries, run,
+)
 
 import moe_fuse.ops  # noqa: E402,F401
 from moe_fuse import kernels, reference  # noqa: E402
@@ -178,29 +180,11 @@ def test_plain_relu_experts_are_left_alone_with_the_reason(tmp_path):
 def test_eager_experts_implementation_runs_the_op():
     """``set_experts_implementation("moe_fuse")`` on Nemotron-H: one op call per block with relu2, no fallback,
     eager's loss and gradients."""
-    import warnings
-
-    import moe_fuse
-    from torch.overrides import TorchFunctionMode
-
-    moe_fuse.register_experts_implementation()
     model, inputs = families.build("nemotron_h")
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
     assert experts and all(unsupported_reason(m) is None and experts_gate_args(m) == RELU2 for m in experts)
     eager = families.loss_and_grads(model, inputs)
-    model.set_experts_implementation("moe_fuse")
-    gates = []
-
-    class Spy(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.moe_fuse.experts.default, torch.ops.moe_fuse.experts):
-                gates.append(tuple(args[6:]))
-            return func(*args, **(kwargs or {}))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback to transformers' forward
-        with Spy():
-            fused = families.loss_and_grads(model, inputs)
+    fused, gates = eager_interface_step(model, inputs)
     assert gates == [RELU2, RELU2], gates
     assert_same_step(eager, fused)
 

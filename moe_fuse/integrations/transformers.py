@@ -37,40 +37,34 @@ def _is_silu(act) -> bool:
 _PROVEN_ACTIVATIONS: dict = {}
 
 
+def _proved(act, name: str, want_fn) -> bool:
+    """Whether ``act`` computes ``want_fn`` (the activation the op calls ``name``) on a float32 CPU probe; once per
+    activation type and repr."""
+    key = (name, type(act), repr(act))
+    if key not in _PROVEN_ACTIVATIONS:
+        probe = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 4
+        try:
+            got = act(probe)
+        except Exception:  # an activation that cannot run on a float32 CPU probe is no proven match
+            got = None
+        want = want_fn(probe)
+        _PROVEN_ACTIVATIONS[key] = isinstance(got, torch.Tensor) and got.shape == want.shape and \
+            got.dtype == want.dtype and bool(torch.allclose(got, want, rtol=1e-6, atol=1e-6))
+    return _PROVEN_ACTIVATIONS[key]
+
+
 def activation_of(act) -> str | None:
     """The op's ``activation`` for an experts module's ``act_fn``: "silu", "gelu_tanh" (transformers'
     ``gelu_pytorch_tanh``, ``nn.GELU(approximate="tanh")``: proved on a probe), or None for anything else."""
     if _is_silu(act):
         return "silu"
-    key = (type(act), repr(act))
-    if key not in _PROVEN_ACTIVATIONS:
-        probe = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 4
-        try:
-            got = act(probe)
-        except Exception:  # an activation that cannot run on a float32 CPU probe is no proven match
-            got = None
-        want = F.gelu(probe, approximate="tanh")
-        ok = isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype and bool(
-            torch.allclose(got, want, rtol=1e-6, atol=1e-6))
-        _PROVEN_ACTIVATIONS[key] = "gelu_tanh" if ok else None
-    return _PROVEN_ACTIVATIONS[key]
+    return "gelu_tanh" if _proved(act, "gelu_tanh", lambda p: F.gelu(p, approximate="tanh")) else None
 
 
 def ungated_activation_of(act) -> str | None:
     """The op's ``activation`` for the ``act_fn`` of experts without a gate: "relu2" (transformers'
     ReLUSquaredActivation: relu(x)^2, proved on a probe), or None for anything else."""
-    key = ("ungated", type(act), repr(act))
-    if key not in _PROVEN_ACTIVATIONS:
-        probe = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 4
-        try:
-            got = act(probe)
-        except Exception:  # an activation that cannot run on a float32 CPU probe is no proven match
-            got = None
-        want = torch.square(F.relu(probe))
-        ok = isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype and bool(
-            torch.allclose(got, want, rtol=1e-6, atol=1e-6))
-        _PROVEN_ACTIVATIONS[key] = "relu2" if ok else None
-    return _PROVEN_ACTIVATIONS[key]
+    return "relu2" if _proved(act, "relu2", lambda p: torch.square(F.relu(p))) else None
 
 
 def experts_gate_args(module) -> tuple | None:
