@@ -6,7 +6,8 @@ op would run its reference loop over the experts there.
 
     PYTHONPATH=. python3 bench/check_pattern_gates_gpu.py
 
-Small random blocks (H 512, 16 experts, top-4); prints the fused / left-alone lines of ``moe_fuse.explain``.
+Small random blocks (H 512, 16 experts, top-4), bf16, fp32, and bf16 with a symbolic token count; prints the fused /
+left-alone lines of ``moe_fuse.explain``.
 """
 
 import sys
@@ -35,7 +36,7 @@ def blocks():
 
 def main():
     print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype, dynamic in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
         for name, build in blocks():
             with torch.device("cuda"):
                 block = build().to(dtype)
@@ -43,9 +44,11 @@ def main():
                 for p in block.parameters():
                     p.normal_(0.0, 0.02)
             x = torch.randn(1, 256, 512, device="cuda", dtype=dtype, requires_grad=True)
+            if dynamic:  # a symbolic token count
+                torch._dynamo.mark_dynamic(x, 1)
             report = str(moe_fuse.explain(block, x)).splitlines()
             lines = [line.strip()[:220] for line in report if "fused" in line or "left" in line or "reason" in line]
-            print(f"{name} {dtype}:")
+            print(f"{name} {dtype}{', dynamic tokens' if dynamic else ''}:")
             for line in lines:
                 print("   ", line)
 

@@ -37,7 +37,7 @@ import torch.fx as fx
 
 import functools
 
-from .. import kernels, ops
+from .. import ops
 from ..reference import gated
 from ..spec import ExpertsSpec
 from .candidate import Candidate, Rejection
@@ -281,7 +281,7 @@ def match(up_mm: fx.Node) -> Candidate:
         down_bias=down_bias is not None,
     )
     if gate_up_bias is not None or down_bias is not None or interleaved or activation == "relu2":
-        _check_kernel_path(x, ids, weights, w_gate_up, w_down, stored_transposed, activation, up_mm)
+        _check_kernel_path(x, w_gate_up, w_down, stored_transposed, activation, up_mm)
     notes = ["expert weights stored [E, in, out]: the op reads transposed views (no copy)"] if stored_transposed else []
     if interleaved:
         notes.append("gate and up are the even and odd columns of the gate_up output (the kernels read them so)")
@@ -295,16 +295,20 @@ def match(up_mm: fx.Node) -> Candidate:
                              stored_transposed=stored_transposed)
 
 
-def _check_kernel_path(x, ids, weights, w_gate_up, w_down, stored_transposed: bool, activation: str, where):
+def _check_kernel_path(x, w_gate_up, w_down, stored_transposed: bool, activation: str, where):
     """Expert biases, interleaved gate/up rows and experts without a gate run fused only on the kernels'
     grouped_mm path (CUDA sm90+, bf16); elsewhere on a GPU the op would run its reference, a Python loop over the
-    experts slower than the graph it replaces: no match there. (On the CPU the reference is what every op runs.)"""
-    x_v, ids_v, w_v, gu_v, d_v = (meta_value(n) for n in (x, ids, weights, w_gate_up, w_down))
+    experts slower than the graph it replaces: no match there. (On the CPU the reference is what every op runs.)
+    Asks ``grouped_mm_path.applies``, which reads only dtypes, devices and the weights' static layout (no guard on
+    a symbolic token count)."""
+    x_v, gu_v, d_v = (meta_value(n) for n in (x, w_gate_up, w_down))
     if not getattr(x_v, "is_cuda", False):
         return
+    from ..kernels import grouped_mm_path
+
     if stored_transposed:
         gu_v, d_v = gu_v.transpose(-2, -1), d_v.transpose(-2, -1)
-    if not kernels.supports(x_v, ids_v, w_v, gu_v, d_v, extras=True, gated=gated(activation)):
+    if not grouped_mm_path.applies(x_v, gu_v, d_v):
         what = "experts without a gate" if not gated(activation) else "expert biases or interleaved gate/up rows"
         raise NoMatch(f"{what} run fused on CUDA sm90+ in bf16 only (the grouped_mm path); here the op would run its "
                       "reference loop over the experts, slower than this graph", where)
