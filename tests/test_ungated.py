@@ -233,3 +233,21 @@ def test_left_alone_on_a_gpu_where_the_op_would_run_its_reference(monkeypatch):
     monkeypatch.setattr(grouped_mm_path, "_CAPABILITY", {0: 8})  # an A100
     with pytest.raises(NoMatch, match="experts without a gate run fused on CUDA sm90"):
         _check_kernel_path(*nodes(torch.bfloat16), False, "relu2", None)
+
+
+def test_checkpointed_layers_recompute_h(tmp_path):
+    """Inside activation checkpointing the rewrite turns save_h off (the backward recomputes h with one GEMM);
+    "relu2" stays the op's last argument, and the step is eager's."""
+    import re
+
+    from test_swiglu_limit import compare
+
+    # output_router_logits: its recording hook inside a checkpoint makes Dynamo run the layer eagerly
+    model, inputs = families.build("nemotron_h", output_router_logits=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    eager, fused, _ = compare(model, inputs, tmp_path)
+    after = "".join(p.read_text() for p in sorted(tmp_path.glob("graph_*/after.py")))
+    calls = re.findall(r"torch\.ops\.moe_fuse\.experts\.default\([^;]*, (True|False), None, None, 'relu2'\)", after)
+    assert calls == ["False"] * 2, calls
+    assert_same_step(eager, fused)
