@@ -31,6 +31,17 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def block_grads(fn, x, dy, params):
+    """[out, then the gradient of each of params] of one forward + backward of a transformers block ``fn`` (an
+    output tuple's first element) on x with output gradient dy; params' gradients reset first."""
+    for p in params:
+        p.grad = None
+    out = fn(x)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(dy)
+    return [out.detach().clone()] + [p.grad.clone() for p in params]
+
+
 def case(T, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
@@ -132,12 +143,7 @@ def compiled_block(T, limit, alpha):
     params = [x, *block.parameters()]
 
     def run(fn):
-        for p in params:
-            p.grad = None
-        out = fn(x)
-        out = out[0] if isinstance(out, tuple) else out
-        out.backward(dy)
-        return [out.detach().clone()] + [p.grad.clone() for p in params]
+        return block_grads(fn, x, dy, params)
 
     eager = run(block)
     torch._dynamo.reset()

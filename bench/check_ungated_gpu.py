@@ -174,6 +174,7 @@ def hf_block(shape, T, device, dtype):
         for p in block.parameters():
             p.normal_(0.0, 0.02)
     import moe_fuse
+    from check_swiglu_limit_gpu import block_grads
 
     x = torch.randn(1, T, H, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn_like(x)
@@ -181,12 +182,7 @@ def hf_block(shape, T, device, dtype):
     print("  " + str(moe_fuse.explain(block, x)).splitlines()[0][:200])
 
     def run(fn):
-        for p in params:
-            p.grad = None
-        out = fn(x)
-        out = out[0] if isinstance(out, tuple) else out
-        out.backward(dy)
-        return [out.detach().clone()] + [p.grad.clone() for p in params]
+        return block_grads(fn, x, dy, params)
 
     eager = run(block)
     names = ["y", "dx"] + [n for n, _ in block.named_parameters()]

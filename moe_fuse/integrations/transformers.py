@@ -96,10 +96,9 @@ def unsupported_reason(module) -> str | None:
             return f"a custom gating function ({type(module).__name__}._apply_gate)"
     elif activation_of(getattr(module, "act_fn", None)) is None:
         return f"activation {type(getattr(module, 'act_fn', None)).__name__}, not silu or tanh-approximated gelu"
-    for name in ("gate_up_proj", "down_proj"):
-        w = getattr(module, name, None)
-        if not isinstance(w, torch.Tensor) or w.dim() != 3:
-            return f"no 3-D {name} parameter"
+    missing = _missing_3d(module, "gate_up_proj", "down_proj")
+    if missing:
+        return missing
     w_gate_up, w_down = _op_weights(module)
     E, two_i, H = w_gate_up.shape
     if two_i % 2 or tuple(w_down.shape) != (E, H, two_i // 2):
@@ -115,6 +114,15 @@ def unsupported_reason(module) -> str | None:
     return None
 
 
+def _missing_3d(module, *names) -> str | None:
+    """The reason when one of the named expert weights is not a 3-D tensor, else None."""
+    for name in names:
+        w = getattr(module, name, None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            return f"no 3-D {name} parameter"
+    return None
+
+
 def _ungated_reason(module) -> str | None:
     """``unsupported_reason`` of experts without a gate (an up projection only: Nemotron-H)."""
     act = getattr(module, "act_fn", None)
@@ -122,10 +130,9 @@ def _ungated_reason(module) -> str | None:
         return f"no gate and activation {type(act).__name__}, not a squared ReLU"
     if getattr(module, "has_bias", False):
         return "no gate and a bias per expert (not fused yet)"
-    for name in ("up_proj", "down_proj"):
-        w = getattr(module, name, None)
-        if not isinstance(w, torch.Tensor) or w.dim() != 3:
-            return f"no 3-D {name} parameter"
+    missing = _missing_3d(module, "up_proj", "down_proj")
+    if missing:
+        return missing
     w_up, w_down = _op_weights(module)
     E, I, H = w_up.shape
     if tuple(w_down.shape) != (E, H, I):
