@@ -112,7 +112,7 @@ SWITCHED = {
 
 def switches(name):
     """SWITCHED[name], or for "moe_fuse@ATTR=VALUE@..." those grouped_mm_path attributes (ints, None, True,
-    False)."""
+    False); "MODULE.ATTR" names an attribute of another moe_fuse.kernels module."""
     if name in SWITCHED:
         return SWITCHED[name]
     parsed = []
@@ -130,17 +130,20 @@ def backend_step(name, block, x, dy, params, compiled):
         return layer_step(torch.compile(block, backend=name), x, dy, params)
     import importlib
 
-    module = importlib.import_module("moe_fuse.kernels.grouped_mm_path")
+    def target(attr):  # (module, attribute name)
+        mod, _, attr = attr.rpartition(".")
+        return importlib.import_module(f"moe_fuse.kernels.{mod or 'grouped_mm_path'}"), attr
+
     inner = layer_step(torch.compile(block, backend="moe_fuse"), x, dy, params)
 
     def step():
-        before = [(attr, getattr(module, attr)) for attr, _ in switches(name)]
+        before = [(*target(attr), getattr(*target(attr))) for attr, _ in switches(name)]
         for attr, value in switches(name):
-            setattr(module, attr, value)
+            setattr(*target(attr), value)
         try:
             inner()
         finally:
-            for attr, value in before:
+            for module, attr, value in before:
                 setattr(module, attr, value)
 
     if "moe_fuse" in compiled:
