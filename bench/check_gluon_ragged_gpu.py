@@ -90,24 +90,6 @@ def child(shape: str, T: int, energy: float = 0.0, wgrad: bool = False):
     dh_in = rnd(S, 2 * I)
     print(f"{shape} T={T}: S={S}, rows per expert {routing.counts.min().item()}-{routing.counts.max().item()}",
           flush=True)
-    # the MMA rows that SHORT_TAILS skips: a tile of <= 64 rows multiplies 64 instead of 128
-    bm = G.BLOCK_M
-    counts = routing.counts.long()
-    tails = counts % bm
-    n_tiles = int(((counts + bm - 1) // bm).sum())
-    short = int(((tails > 0) & (tails <= bm // 2)).sum())
-    print(f"  tiles {n_tiles}, short tails (<= {bm // 2} rows) {short}: MMA rows computed {n_tiles * bm} -> "
-          f"{n_tiles * bm - short * bm // 2} ({short * (bm // 2) / (n_tiles * bm):.1%} skipped; exact rows {S})",
-          flush=True)
-
-    def full_tiles(fn):  # fn with every tile multiplied whole (SHORT_TAILS off)
-        def run():
-            G.SHORT_TAILS = False
-            try:
-                return fn()
-            finally:
-                G.SHORT_TAILS = True
-        return run
 
     def poisoned(fn):
         # every output allocated inside fn comes from a cache filled with NaN first
@@ -158,8 +140,7 @@ def child(shape: str, T: int, energy: float = 0.0, wgrad: bool = False):
     for name, (a, b, kmajor) in gemms.items():
         want = poisoned(lambda: ragged_gemm(a, b, tiles, b_kmajor=kmajor))
         got = poisoned(lambda: G.ragged_gemm(a, b, tiles, b_kmajor=kmajor))
-        got_full = poisoned(full_tiles(lambda: G.ragged_gemm(a, b, tiles, b_kmajor=kmajor)))
-        ok = torch.equal(want, got) and torch.equal(want, got_full)
+        ok = torch.equal(want, got)
         if not ok:
             rows_bad.append(name)
             diff = (want.float() - got.float()).abs()
@@ -167,13 +148,12 @@ def child(shape: str, T: int, energy: float = 0.0, wgrad: bool = False):
         cutlass_b = b.transpose(1, 2) if kmajor else b
         fns = {
             "gluon": lambda: G.ragged_gemm(a, b, tiles, b_kmajor=kmajor),
-            "gluon_full": full_tiles(lambda: G.ragged_gemm(a, b, tiles, b_kmajor=kmajor)),
             "triton": lambda: ragged_gemm(a, b, tiles, b_kmajor=kmajor),
             "cutlass": lambda: torch._grouped_mm(a, cutlass_b, offs=ends),
         }
         t = timed(fns)
-        print(f"  {name:8s} bitwise={ok}  gluon {t['gluon']:.3f} ms | gluon, whole tiles {t['gluon_full']:.3f} | "
-              f"triton {t['triton']:.3f} | cutlass {t['cutlass']:.3f}", flush=True)
+        print(f"  {name:8s} bitwise={ok}  gluon {t['gluon']:.3f} ms | triton {t['triton']:.3f} | "
+              f"cutlass {t['cutlass']:.3f}", flush=True)
 
     # gate_up + SwiGLU
     def unfused_fwd():
@@ -189,15 +169,10 @@ def child(shape: str, T: int, energy: float = 0.0, wgrad: bool = False):
         print(f"  gate_up+swiglu: h equal {torch.equal(h_want, h_got)} (max diff "
               f"{(h_want.float() - h_got.float()).abs().max().item():.3e}), aw equal {torch.equal(aw_want, aw_got)} "
               f"(max diff {(aw_want.float() - aw_got.float()).abs().max().item():.3e})")
-    h_full, aw_full = poisoned(full_tiles(lambda: G.gate_up_swiglu(xs, w_gu, tiles, rw, routing.order)))
-    ok = ok and torch.equal(h_want, h_full) and torch.equal(aw_want, aw_full)
-    fns = {"fused": lambda: G.gate_up_swiglu(xs, w_gu, tiles, rw, routing.order),
-           "fused_full": full_tiles(lambda: G.gate_up_swiglu(xs, w_gu, tiles, rw, routing.order)),
-           "unfused": unfused_fwd,
+    fns = {"fused": lambda: G.gate_up_swiglu(xs, w_gu, tiles, rw, routing.order), "unfused": unfused_fwd,
            "cutlass+pass": lambda: swiglu(torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=ends), routing, rw)}
     t = timed(fns)
-    print(f"  gate_up+swiglu bitwise={ok} repeatable={rep}  fused {t['fused']:.3f} ms | whole tiles "
-          f"{t['fused_full']:.3f} | triton GEMM + pass "
+    print(f"  gate_up+swiglu bitwise={ok} repeatable={rep}  fused {t['fused']:.3f} ms | triton GEMM + pass "
           f"{t['unfused']:.3f} | cutlass + pass {t['cutlass+pass']:.3f}", flush=True)
 
     # dgrad + dSwiGLU (h from the forward above)
@@ -211,23 +186,18 @@ def child(shape: str, T: int, energy: float = 0.0, wgrad: bool = False):
     dh_want, dw_want = poisoned(unfused_bwd)
     dh_got, dw_got = poisoned(lambda: G.dgrad_dswiglu(dys, w_d, h, tiles, rw, routing.order, bf))
     dh_again, dw_again = poisoned(lambda: G.dgrad_dswiglu(dys, w_d, h, tiles, rw, routing.order, bf))
-    dh_full, dw_full = poisoned(full_tiles(lambda: G.dgrad_dswiglu(dys, w_d, h, tiles, rw, routing.order, bf)))
-    ok_dh = torch.equal(dh_want, dh_got) and torch.equal(dh_want, dh_full)
-    rep_full = torch.equal(dw_got, dw_full)  # the same per-tile row sums either way
+    ok_dh = torch.equal(dh_want, dh_got)
     dw_err = ((dw_want.float() - dw_got.float()).abs().max() / dw_want.float().abs().max()).item()
     rep = torch.equal(dh_got, dh_again) and torch.equal(dw_got, dw_again)
     if not ok_dh:
         print(f"  dgrad+dswiglu: d_h max diff {(dh_want.float() - dh_got.float()).abs().max().item():.3e}, "
               f"nan {dh_got.isnan().sum().item()}")
-    fns = {"fused": lambda: G.dgrad_dswiglu(dys, w_d, h, tiles, rw, routing.order, bf),
-           "fused_full": full_tiles(lambda: G.dgrad_dswiglu(dys, w_d, h, tiles, rw, routing.order, bf)),
-           "unfused": unfused_bwd,
+    fns = {"fused": lambda: G.dgrad_dswiglu(dys, w_d, h, tiles, rw, routing.order, bf), "unfused": unfused_bwd,
            "cutlass+pass": lambda: dswiglu(torch._grouped_mm(dys, w_d, offs=ends), h, rw, routing, bf,
                                            write_aw=False)}
     t = timed(fns)
-    print(f"  dgrad+dswiglu d_h bitwise={ok_dh} d_weights rel err {dw_err:.1e} repeatable={rep} "
-          f"d_weights same with whole tiles={rep_full}  fused {t['fused']:.3f} ms | whole tiles {t['fused_full']:.3f} "
-          f"| triton GEMM + pass {t['unfused']:.3f} | cutlass + pass {t['cutlass+pass']:.3f}",
+    print(f"  dgrad+dswiglu d_h bitwise={ok_dh} d_weights rel err {dw_err:.1e} repeatable={rep}  fused "
+          f"{t['fused']:.3f} ms | triton GEMM + pass {t['unfused']:.3f} | cutlass + pass {t['cutlass+pass']:.3f}",
           flush=True)
     print(f"  triton {triton.__version__}, torch {torch.__version__}; mismatched GEMMs: {rows_bad or 'none'}")
 

@@ -83,136 +83,24 @@ if HAVE_GLUON:
                 it += 1
 
     @gluon.jit
-    def _k_loop(p, M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr,
-                c: gl.constexpr, j):
-        """Consumer c's K loop over its j-th tile of this program: the first M rows of each A stage times B.
-
-        M is BLOCK_M, or half of it for a tile with at most that many rows: the loader still brings the
-        whole A box, but the empty half's MMAs (an expert's tail) are never issued.
-        """
-        (a_desc, b_desc, a_bufs, b_bufs, c_smem, ready, empty, turn, tiles_ptr, num_n, K, N, B_ROWS, HALF, out_ptr,
-         stride_om, aux_ptr, rw_ptr, order_ptr, dw_ptr, S) = p
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-        n_k = gl.cdiv(K, BLOCK_K)
-        acc = gl.zeros((M, BLOCK_N), dtype=gl.float32, layout=layout)
-        # Wait until the other consumer has run the K loop of the tile before (its r-th for c = 1,
-        # its (r-1)-th for c = 0, r = j // 2): the two K loops take turns, and a ring stage is
-        # never waited on a whole lap early (mbarrier phases are told apart by parity only).
-        mbarrier.wait(turn.index(1 - c), (j // 2 - 1 + c) & 1, pred=j > 0)
-        it = j * n_k
-        for kk in range(n_k):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            a = a_bufs.index(s)
-            if M < BLOCK_M:
-                a = a.slice(0, M)
-            if B_KMAJOR:
-                acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            else:
-                acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
-            # This step's MMA in flight: the step before is done, its stage goes back.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)  # the tile's last stage
-        mbarrier.arrive(turn.index(c), count=1)  # the other consumer's K loop may start
-        return acc
-
-    @gluon.jit
-    def _epilogue(p, acc, M: gl.constexpr, BLOCK_N: gl.constexpr, EPI: gl.constexpr, c: gl.constexpr, row0, row_end,
-                  n_tile):
-        """Writes one tile's M x BLOCK_N accumulator (rows row0.. of the sorted rows) as EPI says.
-
-        EPI 1: out = h [S, 2N] (gate | up), aux = aw [S, N]. EPI 2: out = d_h [S, 2N], aux = the kept h.
-        """
-        (a_desc, b_desc, a_bufs, b_bufs, c_smem, ready, empty, turn, tiles_ptr, num_n, K, N, B_ROWS, HALF, out_ptr,
-         stride_om, aux_ptr, rw_ptr, order_ptr, dw_ptr, S) = p
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        OUT_N: gl.constexpr = BLOCK_N // 2 if EPI == 1 else BLOCK_N  # output columns a tile
-        layout: gl.constexpr = acc.type.layout
-        if EPI == 0:
-            rows = row0 + gl.arange(0, M, layout=gl.SliceLayout(1, layout))
-            cols = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-            mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-            gl.store(out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=mask)
-        elif EPI == 1:
-            # columns 0..63 of the tile are gate, 64..127 the up of the same units: the split
-            # keeps each value in its thread (a thread holds columns c and c + 64 alike)
-            gate_r, up_r = acc.to(out_ptr.dtype.element_ty).reshape([M, 2, OUT_N]).permute((0, 2, 1)).split()
-            half_l: gl.constexpr = gate_r.type.layout
-            rows = row0 + gl.arange(0, M, layout=gl.SliceLayout(1, half_l))
-            cols = n_tile * OUT_N + gl.arange(0, OUT_N, layout=gl.SliceLayout(0, half_l))
-            rmask = rows < row_end
-            mask = rmask[:, None] & (cols < N)[None, :]
-            r64 = rows.to(gl.int64)[:, None]
-            gl.store(out_ptr + r64 * (2 * N) + cols[None, :], gate_r, mask=mask)
-            gl.store(out_ptr + r64 * (2 * N) + N + cols[None, :], up_r, mask=mask)
-            src = gl.load(order_ptr + rows, mask=rmask, other=0)
-            w = gl.load(rw_ptr + src, mask=rmask, other=0.0).to(gl.float32)[:, None]
-            gate = gate_r.to(gl.float32)
-            up = up_r.to(gl.float32)
-            # the SwiGLU pass's expression, operation for operation (same rounding)
-            aw = w * (gate * (1 / (1 + gl.exp(-gate))) * up)
-            gl.store(aux_ptr + r64 * N + cols[None, :], aw.to(aux_ptr.dtype.element_ty), mask=mask)
-        else:
-            # The dSwiGLU math needs g, gate, up and their products live at once: over the whole
-            # accumulator that spills, and so does an unrolled loop over column chunks (the loads
-            # of later chunks are hoisted). So g goes to shared memory as the unfused GEMM rounds it,
-            # one [M, 32] slab per column chunk, and a rolled loop brings the slabs back in a
-            # layout with 16-byte runs per thread, which also coalesces the h loads and d_h stores.
-            gl.thread_barrier()  # every warp of this consumer is done with its last tile's slabs
-            # columns a * 64 + b * 32 + i -> [row, i, b, a]; each split takes the last axis
-            g4 = acc.to(out_ptr.dtype.element_ty).reshape([M, 2, 2, 32]).permute((0, 3, 2, 1))
-            lo, hi = g4.split()
-            g0, g1 = lo.split()
-            g2, g3 = hi.split()
-            c_smem.index(4 * c).slice(0, M).store(g0)  # slabs 4c .. 4c + 3 are this consumer's
-            c_smem.index(4 * c + 1).slice(0, M).store(g1)
-            c_smem.index(4 * c + 2).slice(0, M).store(g2)
-            c_smem.index(4 * c + 3).slice(0, M).store(g3)
-            gl.thread_barrier()
-            chunk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-            c_rows = row0 + gl.arange(0, M, layout=gl.SliceLayout(1, chunk))
-            c_rmask = c_rows < row_end
-            src = gl.load(order_ptr + c_rows, mask=c_rmask, other=0)
-            w = gl.load(rw_ptr + src, mask=c_rmask, other=0.0).to(gl.float32)[:, None]
-            cr64 = c_rows.to(gl.int64)[:, None]
-            part = gl.zeros((M, ), dtype=gl.float32, layout=gl.SliceLayout(1, chunk))
-            for q in range(4):
-                c_cols = n_tile * OUT_N + q * 32 + gl.arange(0, 32, layout=gl.SliceLayout(0, chunk))
-                cmask = c_rmask[:, None] & (c_cols < N)[None, :]
-                g = c_smem.index(4 * c + q).slice(0, M).load(chunk).to(gl.float32)
-                gate = gl.load(aux_ptr + cr64 * (2 * N) + c_cols[None, :], mask=cmask, other=0.0).to(gl.float32)
-                up = gl.load(aux_ptr + cr64 * (2 * N) + N + c_cols[None, :], mask=cmask, other=0.0).to(gl.float32)
-                sig = 1 / (1 + gl.exp(-gate))
-                act = gate * sig
-                a = act * up
-                d_a = w * g
-                gl.store(out_ptr + cr64 * (2 * N) + c_cols[None, :],
-                         (d_a * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ptr.dtype.element_ty), mask=cmask)
-                gl.store(out_ptr + cr64 * (2 * N) + N + c_cols[None, :], (d_a * act).to(out_ptr.dtype.element_ty),
-                         mask=cmask)
-                part += gl.sum(g * a, axis=1)  # masked columns: gate = up = 0, so a = 0
-            gl.store(dw_ptr + n_tile * S + src, part, mask=c_rmask)
-
-    @gluon.jit
     def _consume(p, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr, EPI: gl.constexpr,
-                 TAILS: gl.constexpr, c: gl.constexpr):
+                 c: gl.constexpr):
         """Consumer c (one warpgroup) computes every other tile of this program, c first.
 
         Its K loop runs while the other consumer writes its own tile (CUTLASS's ping-pong), so the
         epilogue's memory traffic overlaps the MMAs. Ring steps are numbered over all the program's
         tiles in order; each tile has the same number of K steps, so tile j's first step is j * n_k.
+        EPI 1: out = h [S, 2N] (gate | up), aux = aw [S, N]. EPI 2: out = d_h [S, 2N], aux = the kept h.
         """
         (a_desc, b_desc, a_bufs, b_bufs, c_smem, ready, empty, turn, tiles_ptr, num_n, K, N, B_ROWS, HALF, out_ptr,
          stride_om, aux_ptr, rw_ptr, order_ptr, dw_ptr, S) = p
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        OUT_N: gl.constexpr = BLOCK_N // 2 if EPI == 1 else BLOCK_N  # output columns a tile
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
         total = gl.load(tiles_ptr) * num_n
+        n_k = gl.cdiv(K, BLOCK_K)
         nprog = gl.num_programs(0)
         j = gl.program_id(0) * 0 + c  # this consumer's tiles: the program's j-th, j = c, c + 2, ...
         for t in range(gl.program_id(0) + c * nprog, total, 2 * nprog):
@@ -220,24 +108,102 @@ if HAVE_GLUON:
             n_tile = t % num_n
             row0 = gl.load(tiles_ptr + 2 + 3 * m_tile)
             row_end = gl.load(tiles_ptr + 3 + 3 * m_tile)
-            if TAILS and row_end - row0 <= BLOCK_M // 2:  # an expert's short tail: half the MMAs
-                acc_half = _k_loop(p, BLOCK_M // 2, BLOCK_N, STAGES, B_KMAJOR, c, j)
-                _epilogue(p, acc_half, BLOCK_M // 2, BLOCK_N, EPI, c, row0, row_end, n_tile)
-            else:
-                acc = _k_loop(p, BLOCK_M, BLOCK_N, STAGES, B_KMAJOR, c, j)
-                _epilogue(p, acc, BLOCK_M, BLOCK_N, EPI, c, row0, row_end, n_tile)
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
+            # Wait until the other consumer has run the K loop of the tile before (its r-th for c = 1,
+            # its (r-1)-th for c = 0, r = j // 2): the two K loops take turns, and a ring stage is
+            # never waited on a whole lap early (mbarrier phases are told apart by parity only).
+            mbarrier.wait(turn.index(1 - c), (j // 2 - 1 + c) & 1, pred=j > 0)
+            it = j * n_k
+            for kk in range(n_k):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                if B_KMAJOR:
+                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                else:
+                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+                # This step's MMA in flight: the step before is done, its stage goes back.
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+                it += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)  # the tile's last stage
+            mbarrier.arrive(turn.index(c), count=1)  # the other consumer's K loop may start
             j += 2
 
+            if EPI == 0:
+                rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+                cols = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+                mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+                gl.store(out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :],
+                         acc.to(out_ptr.dtype.element_ty), mask=mask)
+            elif EPI == 1:
+                # columns 0..63 of the tile are gate, 64..127 the up of the same units: the split
+                # keeps each value in its thread (a thread holds columns c and c + 64 alike)
+                gate_r, up_r = acc.to(out_ptr.dtype.element_ty).reshape([BLOCK_M, 2, OUT_N]).permute((0, 2, 1)).split()
+                half_l: gl.constexpr = gate_r.type.layout
+                rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, half_l))
+                cols = n_tile * OUT_N + gl.arange(0, OUT_N, layout=gl.SliceLayout(0, half_l))
+                rmask = rows < row_end
+                mask = rmask[:, None] & (cols < N)[None, :]
+                r64 = rows.to(gl.int64)[:, None]
+                gl.store(out_ptr + r64 * (2 * N) + cols[None, :], gate_r, mask=mask)
+                gl.store(out_ptr + r64 * (2 * N) + N + cols[None, :], up_r, mask=mask)
+                src = gl.load(order_ptr + rows, mask=rmask, other=0)
+                w = gl.load(rw_ptr + src, mask=rmask, other=0.0).to(gl.float32)[:, None]
+                gate = gate_r.to(gl.float32)
+                up = up_r.to(gl.float32)
+                # the SwiGLU pass's expression, operation for operation (same rounding)
+                aw = w * (gate * (1 / (1 + gl.exp(-gate))) * up)
+                gl.store(aux_ptr + r64 * N + cols[None, :], aw.to(aux_ptr.dtype.element_ty), mask=mask)
+            else:
+                # The dSwiGLU math needs g, gate, up and their products live at once: over the whole
+                # accumulator that spills, and so does an unrolled loop over column chunks (the loads
+                # of later chunks are hoisted). So g goes to shared memory as the unfused GEMM rounds it,
+                # one [128, 32] slab per column chunk, and a rolled loop brings the slabs back in a
+                # layout with 16-byte runs per thread, which also coalesces the h loads and d_h stores.
+                gl.thread_barrier()  # every warp of this consumer is done with its last tile's slabs
+                # columns a * 64 + b * 32 + i -> [row, i, b, a]; each split takes the last axis
+                g4 = acc.to(out_ptr.dtype.element_ty).reshape([BLOCK_M, 2, 2, 32]).permute((0, 3, 2, 1))
+                lo, hi = g4.split()
+                g0, g1 = lo.split()
+                g2, g3 = hi.split()
+                c_smem.index(4 * c).store(g0)  # slabs 4c .. 4c + 3 are this consumer's
+                c_smem.index(4 * c + 1).store(g1)
+                c_smem.index(4 * c + 2).store(g2)
+                c_smem.index(4 * c + 3).store(g3)
+                gl.thread_barrier()
+                chunk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+                c_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, chunk))
+                c_rmask = c_rows < row_end
+                src = gl.load(order_ptr + c_rows, mask=c_rmask, other=0)
+                w = gl.load(rw_ptr + src, mask=c_rmask, other=0.0).to(gl.float32)[:, None]
+                cr64 = c_rows.to(gl.int64)[:, None]
+                part = gl.zeros((BLOCK_M, ), dtype=gl.float32, layout=gl.SliceLayout(1, chunk))
+                for q in range(4):
+                    c_cols = n_tile * OUT_N + q * 32 + gl.arange(0, 32, layout=gl.SliceLayout(0, chunk))
+                    cmask = c_rmask[:, None] & (c_cols < N)[None, :]
+                    g = c_smem.index(4 * c + q).load(chunk).to(gl.float32)
+                    gate = gl.load(aux_ptr + cr64 * (2 * N) + c_cols[None, :], mask=cmask, other=0.0).to(gl.float32)
+                    up = gl.load(aux_ptr + cr64 * (2 * N) + N + c_cols[None, :], mask=cmask, other=0.0).to(gl.float32)
+                    sig = 1 / (1 + gl.exp(-gate))
+                    act = gate * sig
+                    a = act * up
+                    d_a = w * g
+                    gl.store(out_ptr + cr64 * (2 * N) + c_cols[None, :],
+                             (d_a * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ptr.dtype.element_ty), mask=cmask)
+                    gl.store(out_ptr + cr64 * (2 * N) + N + c_cols[None, :], (d_a * act).to(out_ptr.dtype.element_ty),
+                             mask=cmask)
+                    part += gl.sum(g * a, axis=1)  # masked columns: gate = up = 0, so a = 0
+                gl.store(dw_ptr + n_tile * S + src, part, mask=c_rmask)
+
     @gluon.jit
-    def _consume_second(p, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr, EPI: gl.constexpr,
-                        TAILS: gl.constexpr):
-        _consume(p, BLOCK_N, STAGES, B_KMAJOR, EPI, TAILS, 1)
+    def _consume_second(p, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr, EPI: gl.constexpr):
+        _consume(p, BLOCK_N, STAGES, B_KMAJOR, EPI, 1)
 
     @gluon.jit
     def _ragged_kernel(a_desc, b_desc, tiles_ptr, num_n, K, N, B_ROWS, HALF,
                        out_ptr, stride_om, aux_ptr, rw_ptr, order_ptr, dw_ptr, S,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr, EPI: gl.constexpr,
-                       TAILS: gl.constexpr):
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr, EPI: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         if EPI == 1:  # a stage holds the gate rows and the up rows of the same BLOCK_N // 2 columns
@@ -264,8 +230,8 @@ if HAVE_GLUON:
         # 4 + 4 + 1 warps (the load warp rounds up to a warpgroup): 168 registers a thread fill the
         # register file; the load warp gives up all but 24, each consumer gets 240.
         gl.warp_specialize([
-            (_consume, (p, BLOCK_N, STAGES, B_KMAJOR, EPI, TAILS, 0)),
-            (_consume_second, (p, BLOCK_N, STAGES, B_KMAJOR, EPI, TAILS)),
+            (_consume, (p, BLOCK_N, STAGES, B_KMAJOR, EPI, 0)),
+            (_consume_second, (p, BLOCK_N, STAGES, B_KMAJOR, EPI)),
             (_loader, (p, BLOCK_N, STAGES, B_KMAJOR, EPI)),
         ], [4, 1], [240, 24])
 
@@ -276,8 +242,6 @@ def _desc(t: torch.Tensor, block: list[int]):
 
 
 STAGES = {0: 5, 1: 5, 2: 4}  # 32 KB a stage; the dSwiGLU epilogue's slabs take 64 KB more
-# A tile with at most BLOCK_M / 2 rows (an expert's short tail) issues the MMAs of its first 64 rows only.
-SHORT_TAILS = True
 
 
 def _launch(a, b_desc, E, tiles, num_n, K, N, b_rows, half, out, aux, rw, order, dw, block_n, b_kmajor, epi):
@@ -289,7 +253,7 @@ def _launch(a, b_desc, E, tiles, num_n, K, N, b_rows, half, out, aux, rw, order,
         a_desc, b_desc, tiles, num_n, K, N, b_rows, half, out, out.stride(0),
         dummy if aux is None else aux, dummy if rw is None else rw, tiles if order is None else order,
         dummy if dw is None else dw, S,
-        block_n, STAGES[epi], b_kmajor, epi, SHORT_TAILS, num_warps=CONSUMER_WARPS, maxnreg=168,
+        block_n, STAGES[epi], b_kmajor, epi, num_warps=CONSUMER_WARPS, maxnreg=168,
     )
 
 
@@ -309,7 +273,7 @@ def suits(N: int, K: int) -> bool:
 LAUNCHES = ((0, True, 128), (0, False, 128), (1, True, 128), (2, False, 128))
 
 
-def compile_sm90(epi: int, b_kmajor: bool, block_n: int, tails: bool = True):
+def compile_sm90(epi: int, b_kmajor: bool, block_n: int):
     """Compile one launch's kernel for sm90 without a GPU (triton.compile): its ``asm["ptx"]`` and
     ``metadata.shared`` show what the H200 would run. The CPU-side check of this module (no interpreter
     runs Gluon)."""
@@ -324,7 +288,7 @@ def compile_sm90(epi: int, b_kmajor: bool, block_n: int, tails: bool = True):
     sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc), "tiles_ptr": "*i32", "num_n": "i32",
            "K": "i32", "N": "i32", "B_ROWS": "i32", "HALF": "i32", "out_ptr": "*bf16", "stride_om": "i32",
            "aux_ptr": "*bf16", "rw_ptr": "*bf16", "order_ptr": "*i32", "dw_ptr": "*fp32", "S": "i32"}
-    consts = dict(BLOCK_N=block_n, STAGES=STAGES[epi], B_KMAJOR=b_kmajor, EPI=epi, TAILS=tails)
+    consts = dict(BLOCK_N=block_n, STAGES=STAGES[epi], B_KMAJOR=b_kmajor, EPI=epi)
     sig.update({name: "constexpr" for name in consts})
     return triton.compile(GluonASTSource(_ragged_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": CONSUMER_WARPS, "maxnreg": 168})
