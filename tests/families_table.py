@@ -123,11 +123,12 @@ def row(name: str, debug_dir: str) -> dict:
     model, _ = F.build(name)
     blocks = result.experts_modules
     experts = sum(m["pattern"].endswith("_experts") for m in result.matches)
-    routers = sum(m["pattern"].endswith("_router") for m in result.matches)
+    # dense_experts takes the router's top-k and scores into the experts' region (Llama 4)
+    routers = sum(m["pattern"].endswith("_router") or m["pattern"] == "dense_experts" for m in result.matches)
     # The aux loss's top-k (outside any module) is no router; the eager loop is reported where it breaks.
     in_blocks = [r for r in result.rejected if "(" in r["where"] or r["pattern"].startswith("eager")]
     reasons = []
-    if blocks == 0 or experts < blocks:
+    if experts < max(blocks, 1):
         why = [_short(r["reason"]) for r in in_blocks if r["pattern"].endswith("_experts") or r["pattern"].startswith("eager")]
         why = why or [f"layout: {r}" for r in result.layout_reasons]
         if not why and blocks == 0:

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 from . import (
     batched_mm,
     causal_mask,
+    dense_experts,
     eager_loop,
     grouped_mm,
     router,
@@ -27,8 +28,8 @@ from .candidate import Candidate, Rejection
 from .rewrite import rewrite
 from .verify import verify
 
-PATTERN_MODULES = (grouped_mm, batched_mm, torchtitan, router, sigmoid_router, topk_softmax_router, router_detect,
-                   eager_loop)  # also the rewrite order
+PATTERN_MODULES = (grouped_mm, batched_mm, dense_experts, torchtitan, router, sigmoid_router, topk_softmax_router,
+                   router_detect, eager_loop)  # also the rewrite order
 
 
 class RealValues:
@@ -94,9 +95,10 @@ def checkpointed_bodies(gm: fx.GraphModule) -> set[str]:
 def _recompute_h(cand: Candidate) -> None:
     """Inside a checkpointed body the backward recomputes h itself: saving it would make the partitioner
     re-run the whole fused forward in the backward just to rebuild h."""
-    # save_h: moe_fuse.experts(x, ids, weights, W_gu, W_d, save_h[, swiglu_limit]); experts_call(..., save_h)
+    # save_h: moe_fuse.experts(x, ids, weights, W_gu, W_d, save_h[, swiglu_limit]); experts_call(..., save_h);
+    # dense_experts.DenseAsRouted(x, logits, W_gu, W_d, save_h, ...)
     at = {torch.ops.moe_fuse.experts.default: 5, grouped_mm.experts_from_transposed: 5,
-          torchtitan.experts_call: -1}.get(cand.op)
+          torchtitan.experts_call: -1}.get(cand.op, getattr(cand.op, "save_h_at", None))
     if at is not None and cand.op_args[at] is True:
         args = list(cand.op_args)
         args[at] = False

@@ -33,6 +33,7 @@ _EXTRA_NAMES = {
     torch.relu: "relu",
     F.softplus: "softplus",
     torch.zeros_like: "zeros_like",
+    torch.full_like: "full_like",
     torch.detach: "detach",
 }
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import router, sigmoid_router, topk_softmax_router
+from . import dense_experts, router, sigmoid_router, topk_softmax_router
 from .candidate import Rejection
 from .graph import NoMatch, arg, same_size, shape_of
 from .router_common import is_, is_fp32_upcast, name
@@ -96,7 +96,8 @@ def _claimed(topk: fx.Node) -> bool:
     probs = topk.args[0]
     logits = router._skip_upcast(probs.args[0]) if is_(probs, "softmax") and probs.args else None
     by_softmax_router = is_(logits, "linear")
-    return by_softmax_router or sigmoid_router.claims(topk) or topk_softmax_router.claims(topk)
+    return (by_softmax_router or sigmoid_router.claims(topk) or topk_softmax_router.claims(topk)
+            or dense_experts.claims_topk(topk))
 
 
 def explain_chain(topk: fx.Node, chain: list[fx.Node]) -> tuple[str, fx.Node]:

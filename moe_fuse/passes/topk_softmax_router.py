@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from .. import router_ops  # noqa: F401  (registers torch.ops.moe_fuse.router_topk_softmax)
 from ..spec import TopkSoftmaxRouterSpec
+from . import dense_experts
 from .candidate import Candidate, Rejection
 from .graph import NoMatch, arg, collect_region, concrete, dtype_of, getitem_user, is_mutation, shape_of
 from .router_common import find_at_topk, is_, last_dim, name, number, router_logits, strip_fp32_upcast
@@ -91,8 +92,9 @@ def match(topk: fx.Node) -> Candidate:
 
 
 def claims(topk: fx.Node) -> bool:
-    """A top-k of a linear's logits themselves (fp32 upcasts aside): this pattern's, matched or reported here."""
-    return bool(topk.args) and is_(strip_fp32_upcast(topk.args[0]), "linear")
+    """A top-k of a linear's logits themselves (fp32 upcasts aside): this pattern's, matched or reported here;
+    not one whose values are scattered into a score matrix (dense_experts takes that router with its experts)."""
+    return bool(topk.args) and is_(strip_fp32_upcast(topk.args[0]), "linear") and not dense_experts.claims_topk(topk)
 
 
 def find(graph: fx.Graph) -> list[Candidate | Rejection]:
