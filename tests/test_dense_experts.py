@@ -172,3 +172,22 @@ def test_the_same_block_with_top_k_scores_is_fused():
     x = torch.randn(6, 16)
     (match,) = explain(block, x).matches
     assert match["pattern"] == "dense_experts"
+
+
+def test_symbolic_token_count(tmp_path):
+    """dynamic=True: one graph with a symbolic T serves two token counts, fused, with eager's results."""
+    block = llama4_block()
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path)}
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="moe_fuse", dynamic=True, options=options)
+    for T in (5, 9):
+        x = torch.randn(1, T, block.hidden_dim)
+        dy = torch.randn(T, block.hidden_dim)
+        got, want = block_step(compiled, x, dy), block_step(block, x, dy)
+        for g, w in zip([got[0], *got[1]], [want[0], *want[1]]):
+            assert families.rel_err(g, w) < 1e-5
+    torch._dynamo.reset()
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("graph_*/report.json"))]
+    assert len(reports) == 1 and len(dense_entries(reports, "matches")) == 1
+    after = next(tmp_path.glob("graph_*/after.py")).read_text()
+    assert "torch.ops.moe_fuse.experts.default(" in after and "torch.bmm" not in after
