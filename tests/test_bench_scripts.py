@@ -1,0 +1,51 @@
+"""The family benchmarks' CPU smoke runs (bench/families_layer_bench.py, bench/llama4_layer_bench.py): tiny fp32
+blocks through HF eager, Inductor and moe_fuse, the rewrite found, errors against the fp32 reference that routes as
+the block does, the results written. The GPU runs of the same scripts are the benchmarks themselves."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script, tmp_path, *args):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "bench" / script), "--cpu-smoke", "--out", str(tmp_path), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_families_layer_bench_smoke(tmp_path):
+    out = _run("families_layer_bench.py", tmp_path, "--families", "glm4_moe,gpt_oss")
+    data = json.loads((tmp_path / "families_layer_bench.json").read_text())
+    rows = {(r["family"], r["variant"]): r for r in data["rows"]}
+    assert set(rows) == {(f, v) for f in ("glm4_moe", "gpt_oss") for v in ("hf_eager", "hf_inductor", "moe_fuse")}
+    assert rows["glm4_moe", "moe_fuse"]["rewrites"] == ["grouped_mm_experts", "sigmoid_topk_router"]
+    assert rows["gpt_oss", "moe_fuse"]["rewrites"] == ["grouped_mm_experts", "topk_softmax_router"]
+    for r in rows.values():
+        assert "error" not in r, r["error"]
+        # y, x and every parameter's gradient, all within fp32 rounding of the reference
+        assert {"y", "x", "experts.gate_up_proj", "experts.down_proj"} <= r["errors"].keys()
+        assert r["worst_error"] < 1e-5, (r["family"], r["variant"], r["errors"])
+    assert "glm4_moe: ok" in out and "gpt_oss: ok" in out
+    assert "| glm4_moe (GLM-4.5-Air) | 32 |" in (tmp_path / "families_layer_bench.md").read_text()
+
+
+def test_families_layer_bench_unknown_family(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "families_layer_bench.py"), "--cpu-smoke",
+                           "--families", "qwen3_moe,nope", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode != 0 and "unknown families ['nope']" in proc.stderr
+
+
+def test_llama4_layer_bench_smoke(tmp_path):
+    _run("llama4_layer_bench.py", tmp_path)
+    rows = json.loads((tmp_path / "llama4_layer_bench.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["hf_eager", "hf_inductor", "moe_fuse"]
+    assert rows[-1]["rewrites"] == ["dense_experts"]
+    assert all(r["worst_error"] < 1e-5 for r in rows), [r.get("errors") for r in rows]
