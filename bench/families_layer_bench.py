@@ -17,7 +17,7 @@ as the bf16 block does (its router is the bf16 one, outputs upcast; an fp32 rout
 a family computes its logits in bf16), for y and the gradients of x and every parameter. Exit status 1 when a
 variant errs, moe_fuse rewrote nothing, or its worst error exceeds twice Inductor's + 1e-3.
 """
-import argparse, copy, importlib, json, os, sys, time
+import argparse, contextlib, copy, importlib, json, os, sys, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +56,7 @@ FAMILIES = {
 SHARED_I = {"qwen2_moe": "shared_expert_intermediate_size", "deepseek_v2": 2, "glm4_moe": 1}  # field, or copies of I
 TINY = dict(hidden_size=64, intermediate_size=32, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 VARIANTS = ["hf_eager", "hf_inductor", "moe_fuse"]
+AB_VARIANTS = ["moe_fuse_experts_only"]  # the experts rewritten, the router left to Inductor: what the router op adds
 PEER = "hf_inductor"
 
 
@@ -92,6 +93,19 @@ def build(family, dev, dtype, tiny=False):
             if b.is_floating_point():
                 b.normal_(0, 0.01)
     return block.to(dev, dtype)
+
+
+@contextlib.contextmanager
+def experts_only():
+    """moe_fuse with its router patterns switched off (while the block compiles)."""
+    from moe_fuse import passes
+    saved = passes.PATTERN_MODULES
+    routers = {passes.router, passes.sigmoid_router, passes.topk_softmax_router, passes.router_detect}
+    passes.PATTERN_MODULES = tuple(m for m in saved if m not in routers)
+    try:
+        yield
+    finally:
+        passes.PATTERN_MODULES = saved
 
 
 def first(out):
@@ -147,18 +161,21 @@ def run_family(family, T, dev, dtype, args, rows, peak):
     names = ["y", "x"] + [n for n, _ in block.named_parameters()]
     ref = reference(block, x, dy)
     print(f"\n=== {family} ({ckpt}: H {H}) T={T}", flush=True)
-    for name in VARIANTS:
+    for name in args.variants:
         row = {"family": family, "checkpoint": ckpt, "variant": name, "T": T, "peak_tflops": peak["tflops"],
                "tiny": bool(args.cpu_smoke)}
         try:
-            if name == "moe_fuse":  # before the timed compile: explain resets Dynamo
+            patterns = experts_only() if name == "moe_fuse_experts_only" else contextlib.nullcontext()
+            if name.startswith("moe_fuse"):  # before the timed compile: explain resets Dynamo
                 from moe_fuse import explain
-                rep = explain(block, x.detach().unsqueeze(0))
+                with patterns:
+                    rep = explain(block, x.detach().unsqueeze(0))
                 row["rewrites"] = [m["pattern"] for m in rep.matches]
                 row["left_alone"] = [f"{r.get('pattern')}: {r.get('reason')}"[:200] for r in rep.rejected][:4]
             torch._dynamo.reset()
             fn = block if name == "hf_eager" else torch.compile(
                 block, backend="inductor" if name == "hf_inductor" else "moe_fuse", dynamic=False)
+            patterns = experts_only() if name == "moe_fuse_experts_only" else contextlib.nullcontext()
 
             def step():
                 y = first(fn(x.unsqueeze(0))).squeeze(0)
@@ -168,7 +185,8 @@ def run_family(family, T, dev, dtype, args, rows, peak):
             for t in leaves:
                 t.grad = None
             t0 = time.perf_counter()
-            y = step()
+            with patterns:  # the compile happens here
+                y = step()
             sync(dev)
             row["first_call_s"] = time.perf_counter() - t0
             got = [y.detach(), x.grad] + [p.grad for p in block.parameters()]
@@ -215,6 +233,9 @@ def table(rows):
              "(Inductor / moe_fuse) | peak MB (Inductor / moe_fuse) | y err vs fp32 (Inductor / moe_fuse) | worst err "
              "(Inductor / moe_fuse) | moe_fuse rewrites |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ab = [v for v in AB_VARIANTS if any(r["variant"] == v for r in rows)]
+    if ab:  # one more column per A/B variant: its ms
+        lines = [lines[0] + "".join(f" {v} |" for v in ab), lines[1] + "---|" * len(ab)]
     for fam in dict.fromkeys(r["family"] for r in rows):
         for T in sorted({r["T"] for r in rows if r["family"] == fam}):
             c = {r["variant"]: r for r in rows if r["family"] == fam and r["T"] == T}
@@ -229,7 +250,8 @@ def table(rows):
             rw = ", ".join(c.get("moe_fuse", {}).get("rewrites", [])) or "none"
             lines.append(f"| {fam} ({c['hf_eager']['checkpoint']}) | {T} | {ms('hf_eager')} | {ms(PEER)} | "
                          f"{ms('moe_fuse')} | {x(PEER)} | {x('hf_eager')} | {pct(PEER)} / {pct('moe_fuse')} | {mem(PEER)} / "
-                         f"{mem('moe_fuse')} | {yerr(PEER)} / {yerr('moe_fuse')} | {err(PEER)} / {err('moe_fuse')} | {rw} |")
+                         f"{mem('moe_fuse')} | {yerr(PEER)} / {yerr('moe_fuse')} | {err(PEER)} / {err('moe_fuse')} | {rw} |"
+                         + "".join(f" {ms(v)} |" for v in ab))
     return "\n".join(lines)
 
 
@@ -238,6 +260,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--tokens", default="8192")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"of {VARIANTS + AB_VARIANTS}; the table needs the first three")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny fp32 blocks of every family on the CPU")
     args = ap.parse_args()
@@ -245,6 +269,10 @@ def main():
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         sys.exit(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    args.variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in args.variants if v not in VARIANTS + AB_VARIANTS]
+    if bad:
+        sys.exit(f"unknown variants {bad}; known: {', '.join(VARIANTS + AB_VARIANTS)}")
     ensure_moe_fuse_backend()
     if args.cpu_smoke:
         dev, dtype, tokens = torch.device("cpu"), torch.float32, [32]

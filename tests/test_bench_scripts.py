@@ -20,19 +20,25 @@ def _run(script, tmp_path, *args):
 
 
 def test_families_layer_bench_smoke(tmp_path):
-    out = _run("families_layer_bench.py", tmp_path, "--families", "glm4_moe,gpt_oss")
+    out = _run("families_layer_bench.py", tmp_path, "--families", "glm4_moe,gpt_oss", "--variants",
+               "hf_eager,hf_inductor,moe_fuse,moe_fuse_experts_only")
     data = json.loads((tmp_path / "families_layer_bench.json").read_text())
     rows = {(r["family"], r["variant"]): r for r in data["rows"]}
-    assert set(rows) == {(f, v) for f in ("glm4_moe", "gpt_oss") for v in ("hf_eager", "hf_inductor", "moe_fuse")}
+    variants = ("hf_eager", "hf_inductor", "moe_fuse", "moe_fuse_experts_only")
+    assert set(rows) == {(f, v) for f in ("glm4_moe", "gpt_oss") for v in variants}
     assert rows["glm4_moe", "moe_fuse"]["rewrites"] == ["grouped_mm_experts", "sigmoid_topk_router"]
     assert rows["gpt_oss", "moe_fuse"]["rewrites"] == ["grouped_mm_experts", "topk_softmax_router"]
+    # the A/B variant: the router patterns off while it compiles, and back on after
+    assert rows["glm4_moe", "moe_fuse_experts_only"]["rewrites"] == ["grouped_mm_experts"]
+    assert rows["gpt_oss", "moe_fuse_experts_only"]["rewrites"] == ["grouped_mm_experts"]
     for r in rows.values():
         assert "error" not in r, r["error"]
         # y, x and every parameter's gradient, all within fp32 rounding of the reference
         assert {"y", "x", "experts.gate_up_proj", "experts.down_proj"} <= r["errors"].keys()
         assert r["worst_error"] < 1e-5, (r["family"], r["variant"], r["errors"])
     assert "glm4_moe: ok" in out and "gpt_oss: ok" in out
-    assert "| glm4_moe (GLM-4.5-Air) | 32 |" in (tmp_path / "families_layer_bench.md").read_text()
+    table = (tmp_path / "families_layer_bench.md").read_text()
+    assert "| glm4_moe (GLM-4.5-Air) | 32 |" in table and table.splitlines()[0].endswith("| moe_fuse_experts_only |")
 
 
 def test_families_layer_bench_unknown_family(tmp_path):
