@@ -55,3 +55,16 @@ def test_llama4_layer_bench_smoke(tmp_path):
     assert [r["variant"] for r in rows] == ["hf_eager", "hf_inductor", "moe_fuse"]
     assert rows[-1]["rewrites"] == ["dense_experts"]
     assert all(r["worst_error"] < 1e-5 for r in rows), [r.get("errors") for r in rows]
+
+
+def test_families_model_smoke(tmp_path):
+    """A whole tiny OLMoE causal LM: eager, then moe_fuse with both MoE layers and both attention masks rewritten,
+    the loss as eager's."""
+    _run("families_model_gpu.py", tmp_path, "--families", "olmoe", "--backends", "eager,moe_fuse,moe_fuse_no_mask")
+    rows = {r["backend"]: r for r in json.loads((tmp_path / "families_model.json").read_text())["rows"]}
+    assert set(rows) == {"eager", "moe_fuse", "moe_fuse_no_mask"}
+    assert all("error" not in r for r in rows.values()), rows
+    assert rows["moe_fuse"]["rewrites"] == ["causal_sdpa_mask"] * 2 + ["grouped_mm_experts"] * 2 + \
+        ["softmax_topk_router"] * 2
+    assert rows["moe_fuse_no_mask"]["rewrites"] == ["grouped_mm_experts"] * 2 + ["softmax_topk_router"] * 2
+    assert rows["moe_fuse"]["loss_rel_err"] < 1e-6 and rows["moe_fuse"]["worst_grad"][1] < 1e-4
