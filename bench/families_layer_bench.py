@@ -12,6 +12,8 @@ transformers' ``grouped_mm`` experts implementation, shared experts where the fa
 config class with the sizes of the named checkpoint, random weights (never zeros: transformers initialises routers
 to zeros).
 
+--inference times the forward alone under torch.no_grad (moe_fuse's inference path, compiled for it).
+
 Errors: relative norm against the same block in fp32 (the experts' eager loop, the bf16 block's weights) that routes
 as the bf16 block does (its router is the bf16 one, outputs upcast; an fp32 router would flip near-tied choices where
 a family computes its logits in bf16), for y and the gradients of x and every parameter. Exit status 1 when a
@@ -56,7 +58,9 @@ FAMILIES = {
 SHARED_I = {"qwen2_moe": "shared_expert_intermediate_size", "deepseek_v2": 2, "glm4_moe": 1}  # field, or copies of I
 TINY = dict(hidden_size=64, intermediate_size=32, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 VARIANTS = ["hf_eager", "hf_inductor", "moe_fuse"]
-AB_VARIANTS = ["moe_fuse_experts_only"]  # the experts rewritten, the router left to Inductor: what the router op adds
+# moe_fuse_experts_only: the experts rewritten, the router left to Inductor (what the router op adds);
+# moe_fuse_gmm_infer: the forward without h on grouped_mm_path instead of the fused Triton GEMMs (with --inference)
+AB_VARIANTS = ["moe_fuse_experts_only", "moe_fuse_gmm_infer"]
 PEER = "hf_inductor"
 
 
@@ -163,12 +167,14 @@ def run_family(family, T, dev, dtype, args, rows, peak):
     print(f"\n=== {family} ({ckpt}: H {H}) T={T}", flush=True)
     for name in args.variants:
         row = {"family": family, "checkpoint": ckpt, "variant": name, "T": T, "peak_tflops": peak["tflops"],
-               "tiny": bool(args.cpu_smoke)}
+               "tiny": bool(args.cpu_smoke), "mode": "fwd" if args.inference else "fwd+bwd"}
+        from moe_fuse import kernels
+        kernels.INFERENCE_GROUPED_MM = name == "moe_fuse_gmm_infer"  # read at run time: set for the whole variant
         try:
             patterns = experts_only() if name == "moe_fuse_experts_only" else contextlib.nullcontext()
             if name.startswith("moe_fuse"):  # before the timed compile: explain resets Dynamo
                 from moe_fuse import explain
-                with patterns:
+                with patterns, torch.set_grad_enabled(not args.inference):
                     rep = explain(block, x.detach().unsqueeze(0))
                 row["rewrites"] = [m["pattern"] for m in rep.matches]
                 row["left_alone"] = [f"{r.get('pattern')}: {r.get('reason')}"[:200] for r in rep.rejected][:4]
@@ -178,6 +184,9 @@ def run_family(family, T, dev, dtype, args, rows, peak):
             patterns = experts_only() if name == "moe_fuse_experts_only" else contextlib.nullcontext()
 
             def step():
+                if args.inference:
+                    with torch.no_grad():
+                        return first(fn(x.unsqueeze(0))).squeeze(0)
                 y = first(fn(x.unsqueeze(0))).squeeze(0)
                 y.backward(dy)
                 return y
@@ -189,7 +198,7 @@ def run_family(family, T, dev, dtype, args, rows, peak):
                 y = step()
             sync(dev)
             row["first_call_s"] = time.perf_counter() - t0
-            got = [y.detach(), x.grad] + [p.grad for p in block.parameters()]
+            got = [y.detach()] if args.inference else [y.detach(), x.grad] + [p.grad for p in block.parameters()]
             row["errors"] = {n: rel_err(g, r) for n, g, r in zip(names, got, ref)}
             row["worst_error"] = max(row["errors"].values())
             row["worst_at"] = max(row["errors"], key=row["errors"].get)
@@ -198,6 +207,8 @@ def run_family(family, T, dev, dtype, args, rows, peak):
             row.update(ms=ms, p20=p20, p80=p80)
         except Exception as e:  # an error row, not a crash: the other variants and families still run
             row["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            kernels.INFERENCE_GROUPED_MM = False
         rows.append(row)
         print(fmt(row), flush=True)
     torch._dynamo.reset()
@@ -239,16 +250,18 @@ def table(rows):
     for fam in dict.fromkeys(r["family"] for r in rows):
         for T in sorted({r["T"] for r in rows if r["family"] == fam}):
             c = {r["variant"]: r for r in rows if r["family"] == fam and r["T"] == T}
-            ms = lambda n: f"{c[n]['ms']:.3f} ms" if "ms" in c.get(n, {}) else "error"  # noqa: E731
+            ms = lambda n: f"{c[n]['ms']:.3f} ms" if "ms" in c.get(n, {}) else ("error" if n in c else "-")  # noqa: E731
             x = lambda n: f"{c[n]['ms'] / c['moe_fuse']['ms']:.2f}" if "ms" in c.get(n, {}) and "ms" in c.get(  # noqa: E731
                 "moe_fuse", {}) else "-"
             mem = lambda n: f"{c[n]['peak_mb']:.0f}" if c.get(n, {}).get("peak_mb") is not None else "-"  # noqa: E731
             err = lambda n: f"{c[n]['worst_error']:.1e}" if "worst_error" in c.get(n, {}) else "-"  # noqa: E731
             yerr = lambda n: f"{c[n]['errors']['y']:.1e}" if "errors" in c.get(n, {}) else "-"  # noqa: E731
-            pct = lambda n: (f"{100 * layer_flops(fam, T) / (c[n]['ms'] * 1e-3) / 1e12 / c[n]['peak_tflops']:.0f}"  # noqa: E731
+            any_row = next(iter(c.values()))
+            flops = layer_flops(fam, T) / (3 if any_row.get("mode") == "fwd" else 1)
+            pct = lambda n: (f"{100 * flops / (c[n]['ms'] * 1e-3) / 1e12 / c[n]['peak_tflops']:.0f}"  # noqa: E731
                              if "ms" in c.get(n, {}) and not c[n].get("tiny") else "-")
             rw = ", ".join(c.get("moe_fuse", {}).get("rewrites", [])) or "none"
-            lines.append(f"| {fam} ({c['hf_eager']['checkpoint']}) | {T} | {ms('hf_eager')} | {ms(PEER)} | "
+            lines.append(f"| {fam} ({any_row['checkpoint']}) | {T} | {ms('hf_eager')} | {ms(PEER)} | "
                          f"{ms('moe_fuse')} | {x(PEER)} | {x('hf_eager')} | {pct(PEER)} / {pct('moe_fuse')} | {mem(PEER)} / "
                          f"{mem('moe_fuse')} | {yerr(PEER)} / {yerr('moe_fuse')} | {err(PEER)} / {err('moe_fuse')} | {rw} |"
                          + "".join(f" {ms(v)} |" for v in ab))
@@ -262,6 +275,8 @@ def main():
     ap.add_argument("--tokens", default="8192")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"of {VARIANTS + AB_VARIANTS}; the table needs the first three")
+    ap.add_argument("--inference", action="store_true",
+                    help="the forward alone under torch.no_grad (the inference path), errors of y only")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny fp32 blocks of every family on the CPU")
     args = ap.parse_args()

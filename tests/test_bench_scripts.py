@@ -68,3 +68,17 @@ def test_families_model_smoke(tmp_path):
         ["softmax_topk_router"] * 2
     assert rows["moe_fuse_no_mask"]["rewrites"] == ["grouped_mm_experts"] * 2 + ["softmax_topk_router"] * 2
     assert rows["moe_fuse"]["loss_rel_err"] < 1e-6 and rows["moe_fuse"]["worst_grad"][1] < 1e-4
+
+
+def test_families_layer_bench_inference_smoke(tmp_path):
+    """--inference: the forward alone, compiled under no_grad; y's error only (the A/B variant's switch changes
+    nothing on the CPU, where grouped_mm_path does not apply: the variant runs, no more is asked of it here)."""
+    _run("families_layer_bench.py", tmp_path, "--families", "olmoe", "--inference", "--variants",
+         "hf_inductor,moe_fuse,moe_fuse_gmm_infer")
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "families_layer_bench.json").read_text())["rows"]}
+    assert set(rows) == {"hf_inductor", "moe_fuse", "moe_fuse_gmm_infer"}
+    for r in rows.values():
+        assert r["mode"] == "fwd" and set(r["errors"]) == {"y"} and r["worst_error"] < 1e-5, r
+    assert rows["moe_fuse"]["rewrites"] == ["grouped_mm_experts", "softmax_topk_router"]
+    line = (tmp_path / "families_layer_bench.md").read_text().splitlines()[2]
+    assert line.startswith("| olmoe (OLMoE-1B-7B) | 32 | - |"), line  # no eager row: "-", not "error"

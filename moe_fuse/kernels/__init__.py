@@ -53,6 +53,10 @@ def uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool:
     return ids.numel() > 0 and grouped_mm_path.applies(x, w_gate_up, w_down, *others)
 
 
+# A/B switch (bench only): the forward without h on grouped_mm_path too, instead of the fused Triton GEMMs.
+INFERENCE_GROUPED_MM = False
+
+
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False,
                     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
                     gate_up_bias=None, interleaved: bool = False):
@@ -71,7 +75,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     # pointer loads (their TMA descriptors need the contiguous layout).
     stored_transposed = transposed(w_gate_up) or transposed(w_down)
     extras = grouped_mm_only(activation, gate_up_bias, interleaved)
-    if (save_h or stored_transposed or extras) and uses_grouped_mm(x, ids, w_gate_up, w_down):
+    if (save_h or stored_transposed or extras or INFERENCE_GROUPED_MM) and uses_grouped_mm(x, ids, w_gate_up, w_down):
         return grouped_mm_path.experts_forward(
             x, ids, weights, w_gate_up, w_down, save_h=save_h, keep_rows=keep_rows, swiglu_limit=swiglu_limit,
             glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias, interleaved=interleaved,
