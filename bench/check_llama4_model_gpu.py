@@ -9,7 +9,7 @@ CUDA, the dense_experts rewrite in every MoE layer, and the training step's loss
 backward of one step, timed with do_bench. Scout's layer shape (H 5120, I 8192, E 16, top-1), a smaller
 vocabulary (32000) so that several layers fit with their gradients.
 """
-import argparse, json, os, sys
+import argparse, json, os, shutil, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +70,7 @@ def main():
     results = {"meta": {"torch": torch.__version__, "transformers": transformers.__version__, "layers": args.layers,
                         "tokens": args.batch * args.seq, "config": cfg, "code": code_version()}, "rows": []}
     want = None
+    shutil.rmtree(Path(args.out) / "moe_fuse_debug", ignore_errors=True)  # the rewrites counted are this run's
     for backend in ("eager", "inductor", "moe_fuse"):
         torch._dynamo.reset()
         opts = {"moe_fuse.debug_dir": str(Path(args.out) / "moe_fuse_debug")} if backend == "moe_fuse" else None

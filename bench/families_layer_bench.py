@@ -81,7 +81,7 @@ def build(family, dev, dtype, tiny=False):
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     config_cls = getattr(transformers, config_name)
     if tiny:  # same family, small sizes; E and k kept small too
-        fields = {k: (TINY.get(k, v) if k in TINY else v) for k, v in fields.items()}
+        fields = {k: TINY.get(k, v) for k, v in fields.items()}
         for key in ("num_experts", "num_local_experts", "n_routed_experts"):
             if key in fields:
                 fields[key] = 8

@@ -12,7 +12,7 @@ sizes are families_layer_bench.FAMILIES'; attention as in each checkpoint's conf
 and no dense layers before the first MoE layer. Gradients against eager are reported as relative norms for both
 compiled backends (bf16 on all sides: routing of near-tied tokens differs between any two of them).
 """
-import argparse, json, os, sys, time
+import argparse, json, os, shutil, sys, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,18 +52,16 @@ def build(family, layers, dev, dtype, tiny=False):
     _, config_name, _, moe = FAMILIES[family]
     fields = {**moe, **attn}
     if tiny:
+        mha = fields["num_key_value_heads"] == fields["num_attention_heads"]
         fields = {k: TINY.get(k, v) for k, v in fields.items()}
         for key in ("num_experts", "num_local_experts", "n_routed_experts"):
             if key in fields:
                 fields[key] = 8
         fields["num_experts_per_tok"] = min(fields["num_experts_per_tok"], 2)
-        if fields.get("num_key_value_heads", 0) > fields["num_attention_heads"]:
+        if mha:  # multi-head attention stays so (multi-head latent attention needs it)
             fields["num_key_value_heads"] = fields["num_attention_heads"]
-    if family == "deepseek_v2" or family == "olmoe" or family == "qwen2_moe":
-        fields["num_key_value_heads"] = fields["num_attention_heads"]
     config = getattr(transformers, config_name)(**fields, num_hidden_layers=layers, vocab_size=256 if tiny else VOCAB,
-                                                use_cache=False, attn_implementation="sdpa",
-                                                **({} if family == "gpt_oss" else {"hidden_act": "silu"}))
+                                                use_cache=False, attn_implementation="sdpa", hidden_act="silu")
     config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config)
@@ -71,8 +69,8 @@ def build(family, layers, dev, dtype, tiny=False):
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.02)
-        for _, b in model.named_buffers():
-            if b.is_floating_point() and "bias" in _:
+        for name, b in model.named_buffers():  # DeepSeek-V3-style selection biases: not all equal
+            if b.is_floating_point() and "bias" in name:
                 b.normal_(0, 0.01)
     return model.to(dev, dtype).train()
 
@@ -98,6 +96,7 @@ def run_family(family, args, dev, dtype, rows):
         try:
             torch._dynamo.reset()
             debug = Path(args.out) / "moe_fuse_debug" / f"{family}_{backend}"
+            shutil.rmtree(debug, ignore_errors=True)  # the rewrites counted are this run's
             opts = None
             if backend.startswith("moe_fuse"):
                 opts = {"moe_fuse.debug_dir": str(debug)}
