@@ -38,7 +38,9 @@ CUDAGRAPH_VARIANTS = ["hf_inductor_cudagraphs", "moe_fuse_cudagraphs"]
 # at every size, or through ragged_gemm at every size (grouped_mm_path.RAGGED_MIN_ROWS = 0), or with the
 # Gluon GEMMs (grouped_mm_path.GLUON), or with the Gluon GEMMs that carry SwiGLU / dSwiGLU (GLUON_SWIGLU,
 # GLUON_DSWIGLU), or with SwiGLU fused and the other Gluon GEMMs where they suit (moe_fuse_gluon_fwd).
-AB_VARIANTS = ["moe_fuse_grouped_mm", "moe_fuse_ragged", "moe_fuse_gluon", "moe_fuse_gluon_fused", "moe_fuse_gluon_fwd"]
+# moe_fuse_lean: the backend option moe_fuse.keep_rows=False (the sorted rows and the weighted activation not kept).
+AB_VARIANTS = ["moe_fuse_grouped_mm", "moe_fuse_ragged", "moe_fuse_gluon", "moe_fuse_gluon_fused", "moe_fuse_gluon_fwd",
+               "moe_fuse_lean"]
 AB_SWITCHES = {"moe_fuse_grouped_mm": (("RAGGED_TRITON", False),), "moe_fuse_ragged": (("RAGGED_MIN_ROWS", 0),),
                "moe_fuse_gluon": (("GLUON", True),),
                "moe_fuse_gluon_fused": (("GLUON_SWIGLU", True), ("GLUON_DSWIGLU", True)),
@@ -160,7 +162,8 @@ def make_variant(name, block, dev):
         return step, True
     if name.startswith("moe_fuse"):
         print(f"    moe_fuse backend: {ensure_moe_fuse_backend()}")
-        return torch.compile(block, backend="moe_fuse", dynamic=False), True
+        options = {"moe_fuse.keep_rows": False} if name == "moe_fuse_lean" else None
+        return torch.compile(block, backend="moe_fuse", dynamic=False, options=options), True
     if name == "hf_inductor":  # static shapes: one graph per case, no recompiles
         return torch.compile(block, backend="inductor", dynamic=False), True
     return {"hf_grouped_mm": lambda: block, "liger": lambda: liger_block(block)}[name](), False

@@ -27,6 +27,8 @@ OPTION_DOCS = {
     "moe_fuse.debug_dir": "folder for the dumps (default: $MOE_FUSE_DEBUG_DIR, else none)",
     "moe_fuse.verify": "prove each match on random probes before rewriting it (default True)",
     "moe_fuse.causal_sdpa": "turn a constant plain-causal SDPA mask into is_causal=True (default True)",
+    "moe_fuse.keep_rows": "keep the expert-sorted rows of x and the weighted activation for the backward (default "
+    "True; False: k*T*(H + I) fewer elements held per MoE layer, a slower backward)",
     "moe_fuse.ep_chunks": "expert parallelism: replace TorchTitan's all-to-all dispatch chain by the chunked, "
     "overlapped moe_fuse.ep_experts op with this many expert groups (default None: left as it is)",
 }
@@ -39,6 +41,7 @@ class Options:
     verify: bool = True
     causal_sdpa: bool = True
     ep_chunks: int | None = None
+    keep_rows: bool = True
 
 
 def parse_options(options: dict | None) -> tuple[Options, dict]:
@@ -58,6 +61,9 @@ def parse_options(options: dict | None) -> tuple[Options, dict]:
     causal_sdpa = ours.get("moe_fuse.causal_sdpa", True)
     if not isinstance(causal_sdpa, bool):
         raise ValueError(f"moe_fuse.causal_sdpa={causal_sdpa!r}; expected True or False")
+    keep_rows = ours.get("moe_fuse.keep_rows", True)
+    if not isinstance(keep_rows, bool):
+        raise ValueError(f"moe_fuse.keep_rows={keep_rows!r}; expected True or False")
     ep_chunks = ours.get("moe_fuse.ep_chunks", None)
     if ep_chunks is not None and (not isinstance(ep_chunks, int) or isinstance(ep_chunks, bool) or ep_chunks < 1):
         raise ValueError(f"moe_fuse.ep_chunks={ep_chunks!r}; expected a positive int or None")
@@ -66,7 +72,7 @@ def parse_options(options: dict | None) -> tuple[Options, dict]:
         raise ValueError(f"moe_fuse.debug_dir={debug_dir!r}; expected a folder path")
     if rest and inner != "inductor":
         raise ValueError(f"options {sorted(rest)} are for Inductor, but moe_fuse.inner={inner!r}")
-    return Options(inner, os.fspath(debug_dir) if debug_dir else None, verify, causal_sdpa, ep_chunks), rest
+    return Options(inner, os.fspath(debug_dir) if debug_dir else None, verify, causal_sdpa, ep_chunks, keep_rows), rest
 
 
 # The files that define moe_fuse's ops: their schemas and autograd formulas decide what a compiled
@@ -120,7 +126,7 @@ def moe_fuse_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | No
     report = debug.new_report()
     before = debug.graph_code(gm)
     run_passes(gm, example_inputs, report, verify_matches=opts.verify, causal_sdpa=opts.causal_sdpa,
-               ep_chunks=opts.ep_chunks)
+               ep_chunks=opts.ep_chunks, keep_rows=opts.keep_rows)
     after = debug.graph_code(gm)
     debug.emit(report, before, after, opts.debug_dir)
     return inner_compile(gm, example_inputs, opts, mode, inductor_options)

@@ -158,20 +158,20 @@ def _on_kernels(x, ids, weights, w_gate_up, w_down, activation: str = "silu", ga
 
 
 def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, activation: str = "silu", gate_up_bias=None,
-                 interleaved: bool = False) -> tuple[int, int, int]:
+                 interleaved: bool = False, keep_rows: bool = True) -> tuple[int, int, int]:
     """(rows of h, rows of xs and of aw, elements of the routing) that the forward keeps for the backward.
 
     From shapes, dtypes and devices only: the real and the fake implementation both size their
     outputs with it, so they agree. The reference keeps h alone; the CUDA kernels also keep their
-    routing, and the grouped_mm path (kernels/grouped_mm_path.py) the weight gradients' operands:
-    the expert-sorted rows of x and the weighted SwiGLU output.
+    routing, and the grouped_mm path (kernels/grouped_mm_path.py), with keep_rows, the weight gradients'
+    operands: the expert-sorted rows of x and the weighted SwiGLU output.
     """
     if not save_h:
         return 0, 0, 0
     S = ids.shape[0] * ids.shape[1]
     if not _on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):
         return S, 0, 0
-    rows = S if kernels.uses_grouped_mm(x, ids, w_gate_up, w_down) else 0
+    rows = S if keep_rows and kernels.uses_grouped_mm(x, ids, w_gate_up, w_down) else 0
     return S, rows, kernels.routing_buffer_size(S, w_gate_up.shape[0])
 
 
@@ -179,7 +179,7 @@ def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, activation: str = "
 def experts(
     x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, save_h: bool = False,
     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
-    gate_up_bias: Tensor | None = None, interleaved: bool = False,
+    gate_up_bias: Tensor | None = None, interleaved: bool = False, keep_rows: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(y, h, xs, routing, aw): y, then what the backward reads instead of recomputing (``_saved_sizes``).
 
@@ -189,7 +189,9 @@ def experts(
     the expert-sorted rows of x (no second gather) and aw [T*k, I] the SwiGLU output times the routing
     weight (not written again by the dSwiGLU pass). Each is empty where not kept. The rewrite saves
     them unless the block sits in an activation-checkpointed region, where recomputing inside the
-    backward is cheaper than re-running the forward to rebuild them.
+    backward is cheaper than re-running the forward to rebuild them. keep_rows=False (the backend's
+    ``moe_fuse.keep_rows`` option) keeps h and the routing but not xs and aw: T*k*(H + I) fewer elements
+    held per layer, the backward gathers x's rows again and its dSwiGLU pass writes aw.
 
     swiglu_limit L (transformers' clamped SwiGLU): silu(gate.clamp(max=L)) * up.clamp(-L, L).
     glu_alpha a (the GPT-OSS-style gate of MiniMax-M3-VL): gate * sigmoid(a * gate) * (up + 1) instead of
@@ -204,15 +206,14 @@ def experts(
     _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias,
                         interleaved)
     h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, activation,
-                                                 gate_up_bias, interleaved)
+                                                 gate_up_bias, interleaved, keep_rows)
     lim = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation,
            "gate_up_bias": gate_up_bias, "interleaved": interleaved}
     if routing_size:
-        y, h, routing, xs, aw = kernels.experts_forward(
-            x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=True, **lim
+        y, h, routing, *rows = kernels.experts_forward(
+            x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=bool(xs_rows), **lim
         )
-        if not xs_rows:
-            xs, aw = _empty(x, x.shape[1]), _empty(w_down, w_down.shape[2])
+        xs, aw = rows if xs_rows else (_empty(x, x.shape[1]), _empty(w_down, w_down.shape[2]))
         return y, h, xs, routing.buf, aw
     if _on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):  # without save_h
         y = kernels.experts_forward(x, ids, weights, w_gate_up, w_down, **lim)
@@ -258,11 +259,11 @@ def _empty(like, cols):
 
 @torch.library.register_fake("moe_fuse::experts")
 def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_alpha=None, activation="silu",
-      gate_up_bias=None, interleaved=False):
+      gate_up_bias=None, interleaved=False, keep_rows=True):
     _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias,
                         interleaved)
     h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, activation,
-                                                 gate_up_bias, interleaved)
+                                                 gate_up_bias, interleaved, keep_rows)
     return (
         x.new_empty(x.shape),
         w_gate_up.new_empty((h_rows, w_gate_up.shape[1])),
@@ -339,7 +340,7 @@ _GATE_DEFAULTS = (None, None, "silu", None, False)  # swiglu_limit, glu_alpha, a
 
 def _experts_setup_context(ctx, inputs, output):
     x, ids, weights, w_gate_up, w_down, _save_h, *gate = inputs  # the arguments after save_h: when passed
-    gate = (*gate, *_GATE_DEFAULTS[len(gate):])
+    gate = (*gate[:5], *_GATE_DEFAULTS[len(gate[:5]):])  # (keep_rows, after them, only shapes the outputs)
     bias = gate[3]
     ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, *output[1:], *([bias] if bias is not None else []))
     ctx.gate = gate[:3]
@@ -354,8 +355,8 @@ def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing, _d_aw):
     dx, d_weights, d_wgu, d_wd, d_bias = torch.ops.moe_fuse.experts_backward(
         dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, *ctx.gate, bias, ctx.interleaved
     )
-    # save_h, swiglu_limit, glu_alpha, activation, gate_up_bias, interleaved
-    return dx, None, d_weights, d_wgu, d_wd, None, None, None, None, d_bias if bias is not None else None, None
+    # save_h, swiglu_limit, glu_alpha, activation, gate_up_bias, interleaved, keep_rows
+    return dx, None, d_weights, d_wgu, d_wd, None, None, None, None, d_bias if bias is not None else None, None, None
 
 
 torch.library.register_autograd(

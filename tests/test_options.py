@@ -28,7 +28,8 @@ def test_unknown_key_lists_the_valid_ones():
         parse_options({"moe_fuse.debugdir": "x"})
     message = str(err.value)
     assert "unknown moe_fuse option(s) ['moe_fuse.debugdir']" in message
-    for key in ("moe_fuse.inner", "moe_fuse.debug_dir", "moe_fuse.verify", "moe_fuse.causal_sdpa", "moe_fuse.ep_chunks"):
+    for key in ("moe_fuse.inner", "moe_fuse.debug_dir", "moe_fuse.verify", "moe_fuse.causal_sdpa", "moe_fuse.ep_chunks",
+                "moe_fuse.keep_rows"):
         assert key in message
 
 

@@ -187,13 +187,14 @@ def test_grouped_mm_path_matches_reference(name, alpha, monkeypatch):
 # --------------------------------------------------------------------------- pattern and whole models
 
 
-def compare(model, inputs, tmp_path):
-    """(eager, fused, reports): one training step eagerly and through backend="moe_fuse" (aot_eager inside)."""
+def compare(model, inputs, tmp_path, options=None):
+    """(eager, fused, reports): one training step eagerly and through backend="moe_fuse" (aot_eager inside, more
+    ``options`` if given)."""
     import json
 
     eager = families.loss_and_grads(model, inputs)
     torch._dynamo.reset()
-    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path)}
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path), **(options or {})}
     try:
         fused = families.loss_and_grads(torch.compile(model, backend="moe_fuse", options=options), inputs)
     finally:

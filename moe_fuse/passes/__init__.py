@@ -25,6 +25,7 @@ from . import (
     torchtitan,
 )
 from .candidate import Candidate, Rejection
+from .graph import meta_value
 from .rewrite import rewrite
 from .verify import verify
 
@@ -118,8 +119,25 @@ def _rewrite_ep_dispatch(module: fx.GraphModule, chunks: int, report, where: str
             report.rewrite(ep_torchtitan.PATTERN, where, node, {"chunks": node.args[-1], "group": node.args[-2]})
 
 
+def _drop_kept_rows(graph: fx.Graph) -> bool:
+    """``moe_fuse.keep_rows=False``: every experts call that keeps h for the backward keeps neither the sorted rows
+    of x nor the weighted activation (ops.experts' keep_rows), whichever pattern wrote the call."""
+    changed = False
+    for node in graph.find_nodes(op="call_function", target=torch.ops.moe_fuse.experts.default):
+        save_h = node.args[5] if len(node.args) > 5 else node.kwargs.get("save_h", False)
+        if save_h is True:
+            node.kwargs = {**node.kwargs, "keep_rows": False}
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), meta_value)
+            mode = next((v.fake_mode for v in args if hasattr(v, "fake_mode")), None)
+            if mode is not None:  # the outputs' metadata as the call now is (xs and aw empty)
+                with mode:
+                    node.meta["example_value"] = node.target(*args, **kwargs)
+            changed = True
+    return changed
+
+
 def run_passes(gm: fx.GraphModule, example_inputs, report, verify_matches: bool = True, causal_sdpa: bool = True,
-               ep_chunks: int | None = None):
+               ep_chunks: int | None = None, keep_rows: bool = True):
     values = RealValues(gm, example_inputs)
     checkpointed = checkpointed_bodies(gm)
     for where, module in graphs_in(gm):
@@ -143,6 +161,8 @@ def run_passes(gm: fx.GraphModule, example_inputs, report, verify_matches: bool 
             removed = rewrite(cand)
             report.match(cand, where, removed, verified=verify_matches)
             changed = True
+        if changed and not keep_rows:
+            _drop_kept_rows(module.graph)
         if causal_sdpa:  # not MoE, but the attention half of the same training step (causal_mask.py says why)
             changed = causal_mask.rewrite_graph(module.graph, report, where, values.alias) or changed
         if changed:
