@@ -183,3 +183,19 @@ def test_bad_shapes_are_named():
         torch.ops.moe_fuse.experts(x, ids, weights[:, [0, 1, 1]], w_gate_up, w_down)
     with pytest.raises(ValueError, match="gate_up \\[E, 2I, H\\] and down \\[E, H, I\\]"):
         torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down.transpose(1, 2))
+
+
+def test_weight_layout_strides_are_torchs_rule():
+    """ops._layout_strides computes contiguous strides itself for real shapes (torch's helper costs host time in
+    every backward): the same strides as torch's rule, size-0 and size-1 dims included; a transposed weight keeps
+    its own."""
+    import itertools
+
+    from torch._prims_common import make_contiguous_strides_for
+
+    from moe_fuse.ops import _layout_strides
+
+    for shape in itertools.product([0, 1, 3, 8], repeat=3):
+        assert _layout_strides(torch.empty(shape)) == tuple(make_contiguous_strides_for(shape)), shape
+    stored = torch.empty(4, 6, 10)  # [E, in, out], passed as its transpose
+    assert _layout_strides(stored.transpose(1, 2)) == stored.transpose(1, 2).stride()
