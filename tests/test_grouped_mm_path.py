@@ -215,3 +215,19 @@ def test_ragged_gemm_from_min_rows_up(monkeypatch):
         _, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
         grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
         assert len(calls) == want, (min_rows, len(calls))
+
+
+def test_inference_switch_sends_the_forward_without_h_to_the_path(monkeypatch):
+    """kernels.INFERENCE_GROUPED_MM (an A/B switch, off by default): the forward without h takes grouped_mm_path
+    too, with the same y as the fused Triton forward's within rounding."""
+    calls = []
+    real = grouped_mm_path.experts_forward
+    monkeypatch.setattr(grouped_mm_path, "experts_forward", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(grouped_mm_path, "applies", lambda *a: True)
+    args = make_case(12, 2, 4, 16, 8, torch.float32, seed=6)
+    fused = kernels.experts_forward(*args)
+    assert calls == [] and kernels.INFERENCE_GROUPED_MM is False
+    monkeypatch.setattr(kernels, "INFERENCE_GROUPED_MM", True)
+    y = kernels.experts_forward(*args)
+    assert len(calls) == 1 and calls[0]["save_h"] is False
+    check([y, fused], [ref64(*args)] * 2, [args[0]] * 2, TOL[torch.float32], ["path", "fused"])
