@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Whole causal-LM models of other families (Mixtral, GLM-4.5-Air, DeepSeek-V2-Lite, OLMoE, Qwen1.5-MoE), a few
-layers at the published layer shapes, one training step's forward + backward under eager, backend="inductor" and
+"""Whole causal-LM models of other families (Mixtral, GLM-4.5-Air, DeepSeek-V2-Lite, OLMoE, Qwen1.5-MoE, Llama 4
+Scout's text model), a few layers at the published layer shapes, one training step's forward + backward under eager, backend="inductor" and
 backend="moe_fuse" (and moe_fuse without its attention-mask rewrite, to tell that gain from the MoE layers').
 
     PYTHONPATH=. python3 bench/families_model_gpu.py [--families mixtral,glm4_moe] [--layers 2] [--seq 4096]
@@ -8,7 +8,7 @@ backend="moe_fuse" (and moe_fuse without its attention-mask rewrite, to tell tha
 
 train_step.py measures Qwen3 in depth (optimizer, checkpointing, profile split); this asks whether the whole-model
 gain carries over to the other families: every MoE layer rewritten, the loss as eager's, the step faster. The MoE
-sizes are families_layer_bench.FAMILIES'; attention as in each checkpoint's config; a smaller vocabulary (32000)
+sizes are families_layer_bench.FAMILIES' (Llama 4's: ``OWN_SIZES``); attention as in each checkpoint's config; a smaller vocabulary (32000)
 and no dense layers before the first MoE layer. Gradients against eager are reported as relative norms for both
 compiled backends (bf16 on all sides: routing of near-tied tokens differs between any two of them).
 """
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from families_layer_bench import FAMILIES  # noqa: E402
+from families_layer_bench import FAMILIES as LAYER_FAMILIES  # noqa: E402
 from layer_bench import bench, ensure_moe_fuse_backend, peak_mem_mb, rel_err  # noqa: E402
 from provenance import code_version  # noqa: E402
 
@@ -39,8 +39,20 @@ MODELS = {
     "olmoe": ("OlmoeForCausalLM", dict(num_attention_heads=16, num_key_value_heads=16)),
     "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_attention_heads=16, num_key_value_heads=16, decoder_sparse_step=1,
                                               mlp_only_layers=[], intermediate_size=5632)),
+    "llama4": ("Llama4ForCausalLM", dict(num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                                         interleave_moe_layer_step=1)),
 }
-TINY = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64, shared_expert_intermediate_size=32,
+# Families whose MoE block families_layer_bench does not time (its own module: the dense_experts pattern), in its
+# FAMILIES' form: (checkpoint, config class, block class, MoE fields).
+OWN_SIZES = {
+    "llama4": ("Llama 4 Scout", "Llama4TextConfig", "Llama4TextMoe",
+               dict(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_local_experts=16,
+                    num_experts_per_tok=1)),
+}
+FAMILIES = {**LAYER_FAMILIES, **OWN_SIZES}
+EXPERTS_PATTERNS = {"grouped_mm_experts", "dense_experts"}
+TINY = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64, intermediate_size_mlp=64,
+            shared_expert_intermediate_size=32,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, kv_lora_rank=16, qk_nope_head_dim=8,
             qk_rope_head_dim=8, v_head_dim=8)
 VOCAB = 32000
@@ -62,7 +74,8 @@ def build(family, layers, dev, dtype, tiny=False):
             fields["num_key_value_heads"] = fields["num_attention_heads"]
     config = getattr(transformers, config_name)(**fields, num_hidden_layers=layers, vocab_size=256 if tiny else VOCAB,
                                                 use_cache=False, attn_implementation="sdpa", hidden_act="silu")
-    config._experts_implementation = "grouped_mm"
+    if family not in OWN_SIZES:  # a family with its own MoE module has no experts implementation to pick
+        config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config)
     with torch.no_grad():  # routers start as zeros, experts uninitialised: random weights of a trained scale
@@ -188,8 +201,8 @@ def main():
         (out / "families_model.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
         (out / "families_model.md").write_text(table(rows) + "\n")
     print(table(rows))
-    failed = [r for r in rows if "error" in r or (r["backend"] == "moe_fuse" and "grouped_mm_experts" not in
-                                                  r.get("rewrites", []))]
+    failed = [r for r in rows if "error" in r or (r["backend"] == "moe_fuse" and not EXPERTS_PATTERNS & set(
+        r.get("rewrites", [])))]
     return 1 if failed else 0
 
 

@@ -82,3 +82,12 @@ def test_families_layer_bench_inference_smoke(tmp_path):
     assert rows["moe_fuse"]["rewrites"] == ["grouped_mm_experts", "softmax_topk_router"]
     line = (tmp_path / "families_layer_bench.md").read_text().splitlines()[2]
     assert line.startswith("| olmoe (OLMoE-1B-7B) | 32 | - |"), line  # no eager row: "-", not "error"
+
+
+def test_families_model_smoke_llama4(tmp_path):
+    """Llama 4's text model through the same script: its dense experts rewritten in both layers, the loss as eager's."""
+    _run("families_model_gpu.py", tmp_path, "--families", "llama4", "--backends", "eager,moe_fuse")
+    rows = {r["backend"]: r for r in json.loads((tmp_path / "families_model.json").read_text())["rows"]}
+    assert all("error" not in r for r in rows.values()), rows
+    assert rows["moe_fuse"]["rewrites"] == ["causal_sdpa_mask"] * 2 + ["dense_experts"] * 2
+    assert rows["moe_fuse"]["loss_rel_err"] < 1e-6 and rows["moe_fuse"]["worst_grad"][1] < 1e-4
