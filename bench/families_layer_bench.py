@@ -59,8 +59,10 @@ SHARED_I = {"qwen2_moe": "shared_expert_intermediate_size", "deepseek_v2": 2, "g
 TINY = dict(hidden_size=64, intermediate_size=32, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 VARIANTS = ["hf_eager", "hf_inductor", "moe_fuse"]
 # moe_fuse_experts_only: the experts rewritten, the router left to Inductor (what the router op adds);
-# moe_fuse_gmm_infer: the forward without h on grouped_mm_path instead of the fused Triton GEMMs (with --inference)
-AB_VARIANTS = ["moe_fuse_experts_only", "moe_fuse_gmm_infer"]
+# moe_fuse_gmm_infer / moe_fuse_fused_infer (with --inference): the forward without h forced onto grouped_mm_path /
+# the fused Triton GEMMs (moe_fuse picks by kernels.inference_on_grouped_mm)
+AB_VARIANTS = ["moe_fuse_experts_only", "moe_fuse_gmm_infer", "moe_fuse_fused_infer"]
+INFERENCE_PATH = {"moe_fuse_gmm_infer": True, "moe_fuse_fused_infer": False}
 PEER = "hf_inductor"
 
 
@@ -169,7 +171,7 @@ def run_family(family, T, dev, dtype, args, rows, peak):
         row = {"family": family, "checkpoint": ckpt, "variant": name, "T": T, "peak_tflops": peak["tflops"],
                "tiny": bool(args.cpu_smoke), "mode": "fwd" if args.inference else "fwd+bwd"}
         from moe_fuse import kernels
-        kernels.INFERENCE_GROUPED_MM = name == "moe_fuse_gmm_infer"  # read at run time: set for the whole variant
+        kernels.INFERENCE_GROUPED_MM = INFERENCE_PATH.get(name)  # read at run time: set for the whole variant
         try:
             patterns = experts_only() if name == "moe_fuse_experts_only" else contextlib.nullcontext()
             if name.startswith("moe_fuse"):  # before the timed compile: explain resets Dynamo

@@ -60,23 +60,26 @@ def test_llama4_layer_bench_smoke(tmp_path):
 def test_families_model_smoke(tmp_path):
     """A whole tiny OLMoE causal LM: eager, then moe_fuse with both MoE layers and both attention masks rewritten,
     the loss as eager's."""
-    _run("families_model_gpu.py", tmp_path, "--families", "olmoe", "--backends", "eager,moe_fuse,moe_fuse_no_mask")
+    _run("families_model_gpu.py", tmp_path, "--families", "olmoe", "--backends",
+         "eager,moe_fuse,moe_fuse_no_mask,moe_fuse_lean")
     rows = {r["backend"]: r for r in json.loads((tmp_path / "families_model.json").read_text())["rows"]}
-    assert set(rows) == {"eager", "moe_fuse", "moe_fuse_no_mask"}
+    assert set(rows) == {"eager", "moe_fuse", "moe_fuse_no_mask", "moe_fuse_lean"}
     assert all("error" not in r for r in rows.values()), rows
     assert rows["moe_fuse"]["rewrites"] == ["causal_sdpa_mask"] * 2 + ["grouped_mm_experts"] * 2 + \
         ["softmax_topk_router"] * 2
     assert rows["moe_fuse_no_mask"]["rewrites"] == ["grouped_mm_experts"] * 2 + ["softmax_topk_router"] * 2
     assert rows["moe_fuse"]["loss_rel_err"] < 1e-6 and rows["moe_fuse"]["worst_grad"][1] < 1e-4
+    assert rows["moe_fuse_lean"]["rewrites"] == rows["moe_fuse"]["rewrites"]
+    assert rows["moe_fuse_lean"]["loss_rel_err"] < 1e-6 and rows["moe_fuse_lean"]["worst_grad"][1] < 1e-4
 
 
 def test_families_layer_bench_inference_smoke(tmp_path):
     """--inference: the forward alone, compiled under no_grad; y's error only (the A/B variant's switch changes
-    nothing on the CPU, where grouped_mm_path does not apply: the variant runs, no more is asked of it here)."""
+    nothing on the CPU, where grouped_mm_path does not apply: the variants run, no more is asked of them here)."""
     _run("families_layer_bench.py", tmp_path, "--families", "olmoe", "--inference", "--variants",
-         "hf_inductor,moe_fuse,moe_fuse_gmm_infer")
+         "hf_inductor,moe_fuse,moe_fuse_gmm_infer,moe_fuse_fused_infer")
     rows = {r["variant"]: r for r in json.loads((tmp_path / "families_layer_bench.json").read_text())["rows"]}
-    assert set(rows) == {"hf_inductor", "moe_fuse", "moe_fuse_gmm_infer"}
+    assert set(rows) == {"hf_inductor", "moe_fuse", "moe_fuse_gmm_infer", "moe_fuse_fused_infer"}
     for r in rows.values():
         assert r["mode"] == "fwd" and set(r["errors"]) == {"y"} and r["worst_error"] < 1e-5, r
     assert rows["moe_fuse"]["rewrites"] == ["grouped_mm_experts", "softmax_topk_router"]

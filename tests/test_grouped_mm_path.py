@@ -217,16 +217,31 @@ def test_ragged_gemm_from_min_rows_up(monkeypatch):
         assert len(calls) == want, (min_rows, len(calls))
 
 
+def test_inference_rule_follows_the_routing_weights_dtype(monkeypatch):
+    """The forward without h takes grouped_mm_path when the routing weights are wider than x (the fused forward
+    would keep the k slots in that dtype); kernels.INFERENCE_GROUPED_MM forces either way."""
+    x16, x32 = torch.empty(2, 4, dtype=torch.bfloat16), torch.empty(2, 4)
+    w16, w32 = torch.empty(2, 2, dtype=torch.bfloat16), torch.empty(2, 2)
+    assert kernels.INFERENCE_GROUPED_MM is None
+    assert kernels.inference_on_grouped_mm(x16, w32)
+    assert not kernels.inference_on_grouped_mm(x16, w16)
+    assert not kernels.inference_on_grouped_mm(x32, w32)
+    monkeypatch.setattr(kernels, "INFERENCE_GROUPED_MM", False)
+    assert not kernels.inference_on_grouped_mm(x16, w32)
+    monkeypatch.setattr(kernels, "INFERENCE_GROUPED_MM", True)
+    assert kernels.inference_on_grouped_mm(x32, w32)
+
+
 def test_inference_switch_sends_the_forward_without_h_to_the_path(monkeypatch):
-    """kernels.INFERENCE_GROUPED_MM (an A/B switch, off by default): the forward without h takes grouped_mm_path
-    too, with the same y as the fused Triton forward's within rounding."""
+    """kernels.INFERENCE_GROUPED_MM = True (a bench A/B switch): the forward without h takes grouped_mm_path
+    even with weights in x's dtype, with the same y as the fused Triton forward's within rounding."""
     calls = []
     real = grouped_mm_path.experts_forward
     monkeypatch.setattr(grouped_mm_path, "experts_forward", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     monkeypatch.setattr(grouped_mm_path, "applies", lambda *a: True)
     args = make_case(12, 2, 4, 16, 8, torch.float32, seed=6)
     fused = kernels.experts_forward(*args)
-    assert calls == [] and kernels.INFERENCE_GROUPED_MM is False
+    assert calls == [] and kernels.INFERENCE_GROUPED_MM is None
     monkeypatch.setattr(kernels, "INFERENCE_GROUPED_MM", True)
     y = kernels.experts_forward(*args)
     assert len(calls) == 1 and calls[0]["save_h"] is False

@@ -1,9 +1,10 @@
 """Triton kernels of the experts block.
 
 Where grouped_mm_path applies (CUDA sm90+, bf16), experts_backward and the forward that keeps h for it
-run every GEMM through torch._grouped_mm (CUTLASS) with Triton kernels around it; the forward without h
-(inference, activation-checkpointed layers) and everything else run the all-Triton kernels, whose
-gate_up GEMM never writes h to memory.
+run every GEMM through torch._grouped_mm (CUTLASS) with Triton kernels around it, and so does the forward
+without h (inference, activation-checkpointed layers) when the routing weights are wider than x
+(``inference_on_grouped_mm``); everything else runs the all-Triton kernels, whose gate_up GEMM never
+writes h to memory.
 
 Public:
     experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h=False, keep_rows=False, swiglu_limit=None,
@@ -53,8 +54,23 @@ def uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool:
     return ids.numel() > 0 and grouped_mm_path.applies(x, w_gate_up, w_down, *others)
 
 
-# A/B switch (bench only): the forward without h on grouped_mm_path too, instead of the fused Triton GEMMs.
-INFERENCE_GROUPED_MM = False
+# Where the forward without h (inference, checkpointed layers) runs: None picks by `inference_on_grouped_mm`;
+# True / False force grouped_mm_path / the fused Triton GEMMs (bench A/B runs).
+INFERENCE_GROUPED_MM: bool | None = None
+
+
+def inference_on_grouped_mm(x, weights) -> bool:
+    """Whether the forward without h takes grouped_mm_path (where it applies) rather than the fused Triton GEMMs.
+
+    The fused forward keeps each token's k weighted slots in the promoted dtype of the weights and the expert
+    outputs, as the reference sums them: routing weights wider than x (Mixtral, DeepSeek-V2, GLM-4.5 keep them
+    in fp32) double those [T*k, H] bytes. grouped_mm_path folds the weight in before the down GEMM and writes
+    the slots in x's dtype. Measured on the H200 at T=8192 (bench/PERF_LOG.md, 2026-12-04): grouped_mm_path
+    4-8% faster for those three, within -1..+3% slower for the families with weights in x's dtype, where the
+    fused forward also holds less memory (no h)."""
+    if INFERENCE_GROUPED_MM is not None:
+        return INFERENCE_GROUPED_MM
+    return weights.dtype.itemsize > x.dtype.itemsize
 
 
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False,
@@ -75,7 +91,8 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     # pointer loads (their TMA descriptors need the contiguous layout).
     stored_transposed = transposed(w_gate_up) or transposed(w_down)
     extras = grouped_mm_only(activation, gate_up_bias, interleaved)
-    if (save_h or stored_transposed or extras or INFERENCE_GROUPED_MM) and uses_grouped_mm(x, ids, w_gate_up, w_down):
+    on_path = save_h or stored_transposed or extras or inference_on_grouped_mm(x, weights)
+    if on_path and uses_grouped_mm(x, ids, w_gate_up, w_down):
         return grouped_mm_path.experts_forward(
             x, ids, weights, w_gate_up, w_down, save_h=save_h, keep_rows=keep_rows, swiglu_limit=swiglu_limit,
             glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias, interleaved=interleaved,
