@@ -66,8 +66,8 @@ def inference_on_grouped_mm(x, weights) -> bool:
     outputs, as the reference sums them: routing weights wider than x (Mixtral, DeepSeek-V2, GLM-4.5 keep them
     in fp32) double those [T*k, H] bytes. grouped_mm_path folds the weight in before the down GEMM and writes
     the slots in x's dtype. Measured on the H200 at T=8192 (bench/PERF_LOG.md, 2026-12-04): grouped_mm_path
-    4-8% faster for those three, within -1..+3% slower for the families with weights in x's dtype, where the
-    fused forward also holds less memory (no h)."""
+    2-8% faster for those three; with weights in x's dtype, from 1% faster to 4% slower, and the fused forward
+    holds less memory there (no h)."""
     if INFERENCE_GROUPED_MM is not None:
         return INFERENCE_GROUPED_MM
     return weights.dtype.itemsize > x.dtype.itemsize
