@@ -12,7 +12,7 @@ sizes are families_layer_bench.FAMILIES' (Llama 4's: ``OWN_SIZES``); attention a
 and no dense layers before the first MoE layer. Gradients against eager are reported as relative norms for both
 compiled backends (bf16 on all sides: routing of near-tied tokens differs between any two of them).
 """
-import argparse, json, os, shutil, sys, time
+import argparse, json, os, pickle, shutil, sys, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from families_layer_bench import FAMILIES as LAYER_FAMILIES  # noqa: E402
 from layer_bench import bench, ensure_moe_fuse_backend, peak_mem_mb, rel_err  # noqa: E402
+import memory_peak  # noqa: E402
 from provenance import code_version  # noqa: E402
 
 import torch  # noqa: E402
@@ -137,6 +138,14 @@ def run_family(family, args, dev, dtype, rows):
                 row["rejected"] = [(r_["pattern"], r_["reason"][:160]) for r in reports for r_ in r["rejected"]]
             del grads
             row["peak_mb"] = peak_mem_mb(run, dev, params)
+            if args.memory_snapshot and dev.type == "cuda":  # what holds the memory at the peak, by allocation site
+                snap = Path(args.out) / f"snapshot_{family}_{backend}.pickle"
+                for p in params:
+                    p.grad = None
+                memory_peak.record(run, snap)
+                with open(snap, "rb") as f:
+                    row["peak_sites"] = memory_peak.summary(pickle.load(f)["device_traces"][0], top=15)
+                print("\n".join(row["peak_sites"]), flush=True)
             row["ms"] = bench(run, dev, quick=args.cpu_smoke, grad_to_none=params)[0]
         except Exception as e:  # an error row: the other backends and families still run
             row["error"] = f"{type(e).__name__}: {e}"[:600]
@@ -148,7 +157,7 @@ def run_family(family, args, dev, dtype, rows):
 def table(rows):
     lines = ["| family (layer sizes of) | layers x tokens | eager | Inductor | moe_fuse | x Inductor | x eager | moe_fuse "
              "without the mask rewrite | peak MB (Inductor / moe_fuse) | moe_fuse lean (keep_rows off): ms, peak MB | "
-             "loss rel. err vs eager (Inductor / moe_fuse) | moe_fuse rewrites |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "loss rel. err vs eager (Inductor / moe_fuse) | moe_fuse rewrites |", "|---" * 12 + "|"]
     for fam in dict.fromkeys(r["family"] for r in rows):
         c = {r["backend"]: r for r in rows if r["family"] == fam}
         ms = lambda b: f"{c[b]['ms']:.2f} ms" if "ms" in c.get(b, {}) else ("error" if b in c else "-")  # noqa: E731
@@ -174,6 +183,8 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--memory-snapshot", action="store_true",
+                    help="one more step per backend under the allocator's trace: the blocks live at its peak, by site")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     args = ap.parse_args()
     families = [f for f in args.families.split(",") if f]
