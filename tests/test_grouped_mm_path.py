@@ -246,3 +246,42 @@ def test_inference_switch_sends_the_forward_without_h_to_the_path(monkeypatch):
     y = kernels.experts_forward(*args)
     assert len(calls) == 1 and calls[0]["save_h"] is False
     check([y, fused], [ref64(*args)] * 2, [args[0]] * 2, TOL[torch.float32], ["path", "fused"])
+
+
+@pytest.mark.parametrize("save_h, keep_rows", [(False, False), (True, False), (True, True)])
+def test_forward_drops_what_it_does_not_return_once_read(save_h, keep_rows, monkeypatch):
+    """The sorted rows of x are no longer referenced when the activation pass runs, nor h (without save_h) when
+    the down GEMM runs: the forward without h never holds xs, h and aw at once. With keep_rows xs is returned,
+    so still alive."""
+    import weakref
+
+    refs, seen, at_act = {}, [], []
+    real_expand, real_gemm, real_act = grouped_mm_path.expand_rows, grouped_mm_path._row_gemm, grouped_mm_path.swiglu
+
+    def act(*a, **kw):
+        at_act.append(refs["xs"]() is not None)
+        return real_act(*a, **kw)
+
+    def expand(*a, **kw):
+        out = real_expand(*a, **kw)
+        refs["xs"] = weakref.ref(out)
+        return out
+
+    def gemm(a, *rest, **kw):
+        if len(seen) == 1:  # the down GEMM: a is aw
+            seen.append({name: r() is not None for name, r in refs.items()})
+        out = real_gemm(a, *rest, **kw)
+        if not seen:
+            refs["h"] = weakref.ref(out)
+            seen.append("gate_up")
+        return out
+
+    monkeypatch.setattr(grouped_mm_path, "expand_rows", expand)
+    monkeypatch.setattr(grouped_mm_path, "_row_gemm", gemm)
+    monkeypatch.setattr(grouped_mm_path, "swiglu", act)
+    args = make_case(24, 2, 4, 16, 8, torch.float32, seed=7)
+    out = grouped_mm_path.experts_forward(*args, save_h=save_h, keep_rows=keep_rows)
+    assert at_act == [save_h and keep_rows]
+    assert seen[1] == {"xs": save_h and keep_rows, "h": save_h}
+    y = out[0] if save_h else out
+    assert rel_err(y, ref64(*args)) < TOL[torch.float32]

@@ -227,21 +227,26 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     # the Gluon epilogues: plain silu only
     plain = swiglu_limit is None and glu_alpha is None and activation == "silu" and gate_up_bias is None \
         and not interleaved
+    # What is not returned is dropped once read (xs after the gate_up GEMM, h without save_h after the
+    # activation): the forward without h then never holds xs, h and aw at once.
+    kept_xs = xs if save_h and keep_rows else None
     if plain and _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2], w_gate_up):
         h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # same bits as below
+        del xs
     else:
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
+        del xs
         if gated(activation):
             aw = swiglu(h, routing, rw, swiglu_limit, glu_alpha, activation, gate_up_bias, ids, interleaved)
         else:  # up projection only: h [S, I]
             aw = ungated.act(h, routing, rw, activation)
-    if not (save_h and keep_rows):
-        del xs
+    if not save_h:
+        del h
     o = _row_gemm(aw, w_down, tiles, ends, w_kmajor=True)
     y = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
     if not save_h:
         return y
-    return (y, h, routing, xs, aw) if keep_rows else (y, h, routing)
+    return (y, h, routing, kept_xs, aw) if keep_rows else (y, h, routing)
 
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None,
