@@ -80,7 +80,6 @@ def parse_options(options: dict | None) -> tuple[Options, dict]:
 _OP_SOURCES = ("ops.py", "router_ops.py", "parallel/ep_ops.py")
 
 
-@functools.cache
 def cache_tag() -> str:
     """``moe_fuse-<hash of _OP_SOURCES>``, added to torch.compile's cache keys around the inner compile.
 
@@ -88,12 +87,20 @@ def cache_tag() -> str:
     forward graph calls our ops the same way across versions while their backward may change (a
     new saved output, say). Without the tag, a graph cached by an older moe_fuse would run its old
     backward against the new ops (seen: "experts_backward() is missing value for argument 'xs'").
+    ``ops.SPLIT_BACKWARD`` off (an A/B switch read when the backward is traced) adds ``-one-op``.
     """
+    from . import ops
+
+    return "moe_fuse-" + _sources_hash() + ("" if ops.SPLIT_BACKWARD else "-one-op")
+
+
+@functools.cache
+def _sources_hash() -> str:
     digest = hashlib.sha256()
     root = Path(__file__).parent
     for name in _OP_SOURCES:
         digest.update((root / name).read_bytes())
-    return "moe_fuse-" + digest.hexdigest()[:16]
+    return digest.hexdigest()[:16]
 
 
 def _tagged_caches():

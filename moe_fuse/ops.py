@@ -2,7 +2,10 @@
 
 Each op has a fake implementation (for tracing) and a registered autograd
 formula whose backward is itself one opaque op, so AOTAutograd sees exactly
-one fused node forward and one backward per MoE block.
+one fused node forward and one backward per MoE block; on the grouped_mm path
+the experts' training backward is two (``experts_backward_down``, then
+``experts_backward_gate_up``), so the compiled backward frees the forward's h
+and aw between them.
 
 Boundaries (the Triton kernels fill these in):
 - router:  x, W_router -> logits, routing weights, expert ids
@@ -285,7 +288,7 @@ def experts_backward(
     gate = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation}
     if gate_up_bias is not None or interleaved:
         gate.update(gate_up_bias=gate_up_bias, interleaved=interleaved)
-    if dy.is_cuda and _on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):
+    if _on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):
         S, E = ids.shape[0] * ids.shape[1], w_gate_up.shape[0]
         grads = kernels.experts_backward(  # makes dy contiguous itself
             dy, x, ids, weights, w_gate_up, w_down, h if h.numel() else None,
@@ -299,6 +302,63 @@ def experts_backward(
     d_bias = d_bias[0].contiguous() if d_bias else w_gate_up.new_empty((0,))
     return (dx.contiguous(), d_weights.contiguous(), in_layout_of(d_wgu, w_gate_up), in_layout_of(d_wd, w_down),
             d_bias)
+
+
+def _check_split(name, x, ids, w_gate_up, w_down, dy):
+    if not kernels.uses_grouped_mm(x, ids, w_gate_up, w_down, dy):
+        raise RuntimeError(f"moe_fuse.{name}: a half of experts_backward on the grouped_mm path only (CUDA sm90+, "
+                           "bf16: kernels.uses_grouped_mm); elsewhere call moe_fuse.experts_backward")
+
+
+@_op
+def experts_backward_down(
+    dy: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor,
+    routing: Tensor, aw: Tensor, swiglu_limit: float | None = None, glu_alpha: float | None = None,
+    activation: str = "silu", gate_up_bias: Tensor | None = None, interleaved: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(d_h, d_weights, d_w_down): ``experts_backward`` up to the gradient of h, on the grouped_mm path, from the
+    forward's h, routing and aw (empty: written again). Nothing after it reads h or aw (``_experts_backward``)."""
+    from .kernels import grouped_mm_path
+
+    _check_split("experts_backward_down", x, ids, w_gate_up, w_down, dy)
+    dh, d_weights, d_wd = grouped_mm_path.backward_down(
+        dy, ids.contiguous(), weights, w_down, h, kernels.routing_from_buffer(routing, ids.numel(), w_down.shape[0]),
+        aw if aw.numel() else None, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha, activation=activation,
+        gate_up_bias=gate_up_bias, interleaved=interleaved,
+    )
+    return dh, d_weights.contiguous(), in_layout_of(d_wd, w_down)
+
+
+@torch.library.register_fake("moe_fuse::experts_backward_down")
+def _(dy, x, ids, weights, w_gate_up, w_down, h, routing, aw, swiglu_limit=None, glu_alpha=None, activation="silu",
+      gate_up_bias=None, interleaved=False):
+    fmt = torch.contiguous_format
+    return (torch.empty_like(h, dtype=dy.dtype, memory_format=fmt), torch.empty_like(weights, memory_format=fmt),
+            weight_layout(w_down))
+
+
+@_op
+def experts_backward_gate_up(
+    dh: Tensor, x: Tensor, ids: Tensor, w_gate_up: Tensor, w_down: Tensor, xs: Tensor, routing: Tensor,
+    gate_up_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, d_w_gate_up, d_gate_up_bias): the rest of ``experts_backward`` from ``experts_backward_down``'s d_h, with
+    the forward's xs (empty: gathered again) and routing. d_gate_up_bias is empty without a gate_up_bias."""
+    from .kernels import grouped_mm_path
+
+    _check_split("experts_backward_gate_up", x, ids, w_gate_up, w_down, dh)
+    dx, d_wgu, d_bias = grouped_mm_path.backward_gate_up(
+        dh, x, ids.contiguous(), w_gate_up, kernels.routing_from_buffer(routing, ids.numel(), w_gate_up.shape[0]),
+        xs if xs.numel() else None, bias_dtype=None if gate_up_bias is None else gate_up_bias.dtype,
+    )
+    d_bias = w_gate_up.new_empty((0,)) if d_bias is None else d_bias.contiguous()
+    return dx.contiguous(), in_layout_of(d_wgu, w_gate_up), d_bias
+
+
+@torch.library.register_fake("moe_fuse::experts_backward_gate_up")
+def _(dh, x, ids, w_gate_up, w_down, xs, routing, gate_up_bias=None):
+    d_bias = w_gate_up.new_empty(gate_up_bias.shape) if gate_up_bias is not None else w_gate_up.new_empty((0,))
+    return torch.empty_like(x, memory_format=torch.contiguous_format), weight_layout(w_gate_up), d_bias
 
 
 def weight_layout(w: Tensor) -> Tensor:
@@ -342,6 +402,10 @@ def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, swiglu_limit=N
 
 
 _GATE_DEFAULTS = (None, None, "silu", None, False)  # swiglu_limit, glu_alpha, activation, gate_up_bias, interleaved
+# The training backward on grouped_mm_path as two ops (experts_backward_down, experts_backward_gate_up) instead of
+# one: between them the compiled backward frees the saved h and aw. Off: one op (bench A/B; read when the backward
+# is traced, and part of the compile cache key, backend.cache_tag).
+SPLIT_BACKWARD = True
 
 
 def _experts_setup_context(ctx, inputs, output):
@@ -358,9 +422,18 @@ def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing, _d_aw):
     if dy is None:  # only the saved values were used: nothing flows back (they are internal)
         dy = torch.zeros_like(x)
     bias = bias[0] if bias else None
-    dx, d_weights, d_wgu, d_wd, d_bias = torch.ops.moe_fuse.experts_backward(
-        dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, *ctx.gate, bias, ctx.interleaved
-    )
+    if SPLIT_BACKWARD and h.numel() and routing.numel() and kernels.uses_grouped_mm(x, ids, w_gate_up, w_down, dy):
+        # Two ops: the compiled backward frees h and aw, which only the first reads, before the second allocates
+        # its [S, H] GEMM output and dW_gate_up (the step's peak: bench/backward_memory_cpu.py).
+        dh, d_weights, d_wd = torch.ops.moe_fuse.experts_backward_down(
+            dy, x, ids, weights, w_gate_up, w_down, h, routing, aw, *ctx.gate, bias, ctx.interleaved
+        )
+        dx, d_wgu, d_bias = torch.ops.moe_fuse.experts_backward_gate_up(dh, x, ids, w_gate_up, w_down, xs, routing,
+                                                                         bias)
+    else:
+        dx, d_weights, d_wgu, d_wd, d_bias = torch.ops.moe_fuse.experts_backward(
+            dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, *ctx.gate, bias, ctx.interleaved
+        )
     # save_h, swiglu_limit, glu_alpha, activation, gate_up_bias, interleaved, keep_rows
     return dx, None, d_weights, d_wgu, d_wd, None, None, None, None, d_bias if bias is not None else None, None, None
 

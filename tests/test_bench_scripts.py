@@ -94,3 +94,19 @@ def test_families_model_smoke_llama4(tmp_path):
     assert all("error" not in r for r in rows.values()), rows
     assert rows["moe_fuse"]["rewrites"] == ["causal_sdpa_mask"] * 2 + ["dense_experts"] * 2
     assert rows["moe_fuse"]["loss_rel_err"] < 1e-6 and rows["moe_fuse"]["worst_grad"][1] < 1e-4
+
+
+def test_backward_memory_cpu_smoke(tmp_path):
+    """The CPU memory bench: the two-op backward's peak is below the one-op backward's by what the first op's end
+    lets go (h and aw), the gradients the same bits."""
+    _run("backward_memory_cpu.py", tmp_path)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "backward_memory_cpu.json").read_text())["rows"]}
+    assert set(rows) == {"hf_inductor", "moe_fuse", "moe_fuse_one_op"}
+    assert rows["moe_fuse_one_op"]["grads_bitwise_equal_to_first_moe_fuse"]
+    assert all(r["worst_grad_err_vs_eager"] < 2e-2 for r in rows.values()), rows
+    s = rows["moe_fuse"]["sizes"]
+    S, H, I, E, T = s["T"] * s["k"], s["H"], s["I"], s["E"], s["T"]
+    # bf16 bytes: the one op holds h and aw to its end; the split's peak is the first op's (dys, g and dW_down beside
+    # them) or the second's (dW_gate_up, d_h, dx)
+    drop = 2 * min(S * 3 * I, E * 2 * I * H + S * 2 * I + T * H - S * H - S * I)
+    assert (rows["moe_fuse_one_op"]["peak_mib"] - rows["moe_fuse"]["peak_mib"]) * 2**20 >= 0.9 * drop, rows

@@ -257,59 +257,102 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
 
     h, routing, xs, aw: what the forward kept (``experts_forward(save_h=True, keep_rows=True)``), each
     None to recompute it (h: one more GEMM; routing: three small launches; xs: a gather; aw: written by
-    the dSwiGLU pass, from h).
+    the dSwiGLU pass, from h). ``backward_down`` then ``backward_gate_up``: the op calls the two halves as two
+    ops where the forward kept h, so that the compiled backward frees h and aw between them.
     """
     T, k = ids.shape
     E = w_gate_up.shape[0]
-    S, H, I = T * k, x.shape[1], w_down.shape[2]
+    S, H = T * k, x.shape[1]
     check_saved_h(h, S, w_gate_up)
-    for name, kept, dim, cols, dtype in (("rows", xs, "H", H, x.dtype), ("aw", aw, "I", I, w_down.dtype)):
-        if kept is not None and (tuple(kept.shape) != (S, cols) or kept.dtype != dtype or not kept.is_contiguous()):
-            raise ValueError(
-                f"experts_backward: saved {name} must be a contiguous [S={S}, {dim}={cols}] {dtype} tensor, "
-                f"got {tuple(kept.shape)} {kept.dtype}"
-            )
-    dy = dy.contiguous()  # the gradient of a sum arrives with stride 0
+    check_kept(xs, S, H, x.dtype, "rows", "H")
     ids = ids.contiguous()
     if routing is None:
         routing = route(ids, E)
+    if h is None:
+        if xs is None:
+            xs = expand_rows(x, routing.pos.view(T, k))
+        h = _row_gemm(xs, w_gate_up, _tiles(routing, S), routing.offsets[1:], w_kmajor=True)
+    dh, d_weights, d_wd = backward_down(dy, ids, weights, w_down, h, routing, aw, swiglu_limit=swiglu_limit,
+                                        glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias,
+                                        interleaved=interleaved)
+    del h  # frees it where recomputed here
+    dx, d_wgu, d_bias = backward_gate_up(dh, x, ids, w_gate_up, routing, xs, bias_dtype=None if gate_up_bias is None
+                                         else gate_up_bias.dtype)
+    grads = dx, d_weights, d_wgu, d_wd
+    return grads if d_bias is None else (*grads, d_bias)
+
+
+def check_kept(t, S: int, cols: int, dtype, name: str, dim: str):
+    """A kept operand (xs, aw) must be what the forward wrote: a contiguous [S, cols] tensor of dtype, or None."""
+    if t is not None and (tuple(t.shape) != (S, cols) or t.dtype != dtype or not t.is_contiguous()):
+        raise ValueError(
+            f"experts_backward: saved {name} must be a contiguous [S={S}, {dim}={cols}] {dtype} tensor, "
+            f"got {tuple(t.shape)} {t.dtype}"
+        )
+
+
+def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swiglu_limit: float | None = None,
+                  glu_alpha: float | None = None, activation: str = "silu", gate_up_bias=None,
+                  interleaved: bool = False):
+    """The backward's first half, from dy to d_h: (d_h [S, 2I] (experts without a gate: [S, I]), d_weights [T, k],
+    dW_down). Reads h and aw (None: the dSwiGLU pass writes it), which nothing after it reads.
+
+    Memory order: with aw kept, dW_down runs right after the dgrad GEMM, so the sorted copy of dy is freed before
+    the dSwiGLU pass allocates d_h (the layer's backward then never holds dys and d_h at once).
+    """
+    T, k = ids.shape
+    S, I = T * k, w_down.shape[2]
+    if h is None:
+        raise ValueError("backward_down: needs the forward's h")
+    check_kept(h, S, 2 * I if gated(activation) else I, w_down.dtype, "h", "2I" if gated(activation) else "I")
+    check_kept(aw, S, I, w_down.dtype, "aw", "I")
+    dy = dy.contiguous()  # the gradient of a sum arrives with stride 0
     ends = routing.offsets[1:]
     tiles = _tiles(routing, S)
-    if xs is None:
-        xs = expand_rows(x, routing.pos.view(T, k))
-    if h is None:
-        h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
     dys = expand_rows(dy, routing.pos.view(T, k))
     rw = weights.reshape(-1).contiguous()
     plain = swiglu_limit is None and glu_alpha is None and activation == "silu" and gate_up_bias is None \
         and not interleaved
-    if aw is not None and plain and _fused(GLUON_DSWIGLU, tiles, I, H, w_down):
+    if aw is not None and plain and _fused(GLUON_DSWIGLU, tiles, I, w_down.shape[1], w_down):
         # d_h bitwise the unfused pass's; d_weights summed over 128-column partials (fixed order)
         dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
-    else:
-        g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
-        if gated(activation):
-            dh, aw_now, d_weights = dswiglu(
-                g, h, rw, routing, weights.dtype, write_aw=aw is None, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
-                activation=activation, gate_up_bias=gate_up_bias, ids=ids, interleaved=interleaved,
-            )
-        else:  # d_h [S, I]
-            dh, aw_now, d_weights = ungated.dact(g, h, rw, routing, weights.dtype, write_aw=aw is None,
-                                                 activation=activation)
-        aw = aw_now if aw is None else aw
-        del g
+        return dh, d_weights.view(T, k), _wgrad(dys, aw, ends, transposed(w_down))
+    g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
+    d_wd = None
+    if aw is not None:
+        d_wd = _wgrad(dys, aw, ends, transposed(w_down))
+        del dys
+    if gated(activation):
+        dh, aw_now, d_weights = dswiglu(
+            g, h, rw, routing, weights.dtype, write_aw=aw is None, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
+            activation=activation, gate_up_bias=gate_up_bias, ids=ids, interleaved=interleaved,
+        )
+    else:  # d_h [S, I]
+        dh, aw_now, d_weights = ungated.dact(g, h, rw, routing, weights.dtype, write_aw=aw is None,
+                                             activation=activation)
+    del g
+    if d_wd is None:
+        d_wd = _wgrad(dys, aw_now, ends, transposed(w_down))
+    return dh, d_weights.view(T, k), d_wd
+
+
+def backward_gate_up(dh, x, ids, w_gate_up, routing: Routing, xs=None, *, bias_dtype=None):
+    """The backward's second half, from d_h: (dx, dW_gate_up, d_gate_up_bias in bias_dtype or None). xs: the
+    expert-sorted rows of x the forward kept, or None to gather them again (after the dx GEMM's output is freed)."""
+    T, k = ids.shape
+    S, E = T * k, w_gate_up.shape[0]
+    ends = routing.offsets[1:]
     # One stream: each CUTLASS GEMM fills every SM, so a weight-gradient GEMM on a second stream only
     # starts when the one before it ends (bench/results/trace_layer_paced_2026-11-30.log); layer steps
     # measured the same with and without (bench/PERF_LOG.md).
-    o = _row_gemm(dh, w_gate_up, tiles, ends, w_kmajor=False)  # [S, H]
+    o = _row_gemm(dh, w_gate_up, _tiles(routing, S), ends, w_kmajor=False)  # [S, H]
     dx = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
     del o
+    if xs is None:
+        xs = expand_rows(x, routing.pos.view(T, k))
     d_wgu = _wgrad(dh, xs, ends, transposed(w_gate_up))
-    d_bias = None if gate_up_bias is None else expert_sums(dh, routing, gate_up_bias.dtype)
-    del dh
-    d_wd = _wgrad(dys, aw, ends, transposed(w_down))
-    grads = dx, d_weights.view(T, k), d_wgu, d_wd
-    return grads if d_bias is None else (*grads, d_bias)
+    d_bias = None if bias_dtype is None else expert_sums(dh, routing, bias_dtype)
+    return dx, d_wgu, d_bias
 
 
 def _wgrad(p, q, ends, in_transposed: bool):
@@ -320,4 +363,5 @@ def _wgrad(p, q, ends, in_transposed: bool):
     return torch._grouped_mm(p.t(), q, offs=ends)
 
 
-__all__ = ["ENABLED", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU", "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "experts_backward", "experts_forward", "swiglu"]
+__all__ = ["ENABLED", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU", "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies",
+           "backward_down", "backward_gate_up", "experts_backward", "experts_forward", "swiglu"]

@@ -1,0 +1,102 @@
+"""The experts op's training backward on grouped_mm_path as two ops, ``experts_backward_down`` (dy to d_h, dW_down)
+then ``experts_backward_gate_up`` (d_h to dx, dW_gate_up): the compiled backward drops the forward's h and aw, which
+only the first reads, before the second allocates. The gradients are the single op's bits."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from torch.library import opcheck  # noqa: E402
+
+from test_kernels_forward import DEVICE, make_case  # noqa: E402
+from test_keep_rows import on_grouped_mm_path  # noqa: E402, F401  (fixture)
+
+from moe_fuse import kernels, ops  # noqa: E402
+from moe_fuse.kernels import grouped_mm_path  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def _step(args, dy, keep_rows, monkeypatch, split):
+    """Gradients of the op's y (x, weights, both expert weights) and the grouped_mm_path functions its backward ran."""
+    calls = []
+    with monkeypatch.context() as m:
+        for name in ("experts_backward", "backward_down", "backward_gate_up"):
+            real = getattr(grouped_mm_path, name)
+            m.setattr(grouped_mm_path, name,
+                      lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+        m.setattr(ops, "SPLIT_BACKWARD", split)
+        x, ids, weights, w_gate_up, w_down = args
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w_gate_up, w_down)]
+        y = torch.ops.moe_fuse.experts(leaves[0], ids, *leaves[1:], True, keep_rows=keep_rows)[0]
+        y.backward(dy)
+    return [t.grad for t in leaves], calls
+
+
+@pytest.mark.parametrize("keep_rows", [True, False])
+def test_two_ops_give_the_single_ops_gradients(keep_rows, on_grouped_mm_path, monkeypatch):  # noqa: F811
+    args = make_case(24, 2, 4, 32, 16, torch.float32, "skewed", seed=11)
+    dy = torch.randn(24, 32, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    split, split_calls = _step(args, dy, keep_rows, monkeypatch, True)
+    one, one_calls = _step(args, dy, keep_rows, monkeypatch, False)
+    # the single op runs both halves through experts_backward; the split calls them as ops
+    assert split_calls == ["backward_down", "backward_gate_up"]
+    assert one_calls == ["experts_backward", "backward_down", "backward_gate_up"]
+    want = kernels.experts_backward(dy, *args)  # the kernels called directly, h, xs and aw recomputed
+    for a, b, w in zip(split, one, want):
+        assert torch.equal(a, b) and torch.equal(a, w)
+
+
+def test_checkpointed_calls_keep_the_single_op(on_grouped_mm_path, monkeypatch):  # noqa: F811
+    """Without a kept h (save_h False: a checkpointed layer) the backward recomputes inside one op."""
+    calls = []
+    real = grouped_mm_path.experts_backward
+    monkeypatch.setattr(grouped_mm_path, "experts_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, ids, weights, w_gate_up, w_down = make_case(12, 2, 4, 16, 8, torch.float32, seed=13)
+    xg = x.detach().clone().requires_grad_()
+    torch.ops.moe_fuse.experts(xg, ids, weights, w_gate_up, w_down, False)[0].sum().backward()
+    assert calls == [1]
+
+
+def test_opcheck(on_grouped_mm_path):  # noqa: F811
+    """Schemas, fake implementations (the shapes and weight layouts the real ones return)."""
+    T, k, E, H, I = 12, 2, 4, 16, 8
+    args = make_case(T, k, E, H, I, torch.float32, seed=14)
+    x, ids, weights, w_gate_up, w_down = args
+    _, h, xs, routing, aw = torch.ops.moe_fuse.experts(*args, True)
+    dy = torch.randn(T, H).to(DEVICE)
+    down = (dy, x, ids, weights, w_gate_up, w_down, h, routing, aw)
+    tests = ("test_schema", "test_faketensor")
+    opcheck(torch.ops.moe_fuse.experts_backward_down.default, down, test_utils=tests)
+    dh = torch.ops.moe_fuse.experts_backward_down(*down)[0]
+    assert dh.shape == h.shape
+    opcheck(torch.ops.moe_fuse.experts_backward_gate_up.default, (dh, x, ids, w_gate_up, w_down, xs, routing),
+            test_utils=tests)
+
+
+def test_the_halves_refuse_other_paths():
+    """Off grouped_mm_path (here: the CPU without the test's stand-in) the halves name the op to call instead."""
+    T, k, E, H, I = 8, 2, 4, 16, 8
+    x, ids, weights, w_gate_up, w_down = make_case(T, k, E, H, I, torch.float32, seed=15)
+    S = T * k
+    h, routing = torch.randn(S, 2 * I).to(DEVICE), torch.zeros(0, dtype=torch.int32).to(DEVICE)
+    with pytest.raises(RuntimeError, match="moe_fuse.experts_backward_down: a half of experts_backward on the "
+                                           "grouped_mm path only .* call moe_fuse.experts_backward"):
+        torch.ops.moe_fuse.experts_backward_down(torch.randn(T, H).to(DEVICE), x, ids, weights, w_gate_up, w_down, h,
+                                                 routing, torch.zeros(0, I).to(DEVICE))
+    with pytest.raises(RuntimeError, match="moe_fuse.experts_backward_gate_up: a half"):
+        torch.ops.moe_fuse.experts_backward_gate_up(h, x, ids, w_gate_up, w_down, torch.zeros(0, H).to(DEVICE),
+                                                    routing)
+
+
+def test_the_switch_is_in_the_compile_cache_key(monkeypatch):
+    """ops.SPLIT_BACKWARD is read when the backward is traced: a compile cached with the other setting is not reused."""
+    from moe_fuse import backend
+
+    split = backend.cache_tag()
+    monkeypatch.setattr(ops, "SPLIT_BACKWARD", False)
+    assert backend.cache_tag() == split + "-one-op"
