@@ -13,6 +13,9 @@ GPU figures. Variants:
 - moe_fuse_one_op: the same with the backward as one op;
 - moe_fuse_lean (on request): moe_fuse with ``moe_fuse.keep_rows=False``.
 
+--shapes also takes glm4_moe: families_layer_bench.py's GLM-4.5-Air block (sigmoid router, a shared expert) with its
+sizes shrunk the same way (that bench runs it at --tokens 8192).
+
 grouped_mm_path runs on the CPU as it would on the GPU (``applies`` forced on; the grouped GEMMs one torch.mm per
 expert into their output, the Triton kernels in the interpreter, TRITON_INTERPRET=1). torch.profiler's "[memory]"
 events list every allocation and free of the step; the peak of the bytes live above the step's start is what
@@ -22,6 +25,7 @@ moe_fuse variants' against each other (bitwise). --cpu-smoke: a tiny shape, aot_
 """
 import argparse, json, os, sys
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +42,9 @@ from moe_fuse.kernels import grouped_mm_path  # noqa: E402
 
 VARIANTS = ["hf_inductor", "moe_fuse", "moe_fuse_one_op"]
 SHAPES = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}  # H, I, E, top-k of the full layer
+# Other families' blocks (families_layer_bench.FAMILIES) whose E divides by 8, their size fields shrunk by 8
+FAMILY_SHAPES = ("glm4_moe",)
+SHRUNK_FIELDS = ("hidden_size", "moe_intermediate_size", "intermediate_size", "n_routed_experts", "num_experts")
 SCALE = 512  # H, I, E / 8 and T / 64: every tensor of the step / 512
 REAL_GROUPED_MM = torch._grouped_mm
 
@@ -138,13 +145,26 @@ def rel_err(a, b):
 
 def measure(shape, tokens, args):
     """Rows of one shape: each variant's peak (MiB here, and x SCALE: at full size) and gradient errors."""
+    if tokens % 64:
+        raise ValueError(f"--tokens: {tokens} is not a multiple of 64")
+    T = tokens // 64
     if shape == "tiny":
         (H, I, E, k), T = (64, 24, 8, 4), 64
-    else:
+    elif shape in FAMILY_SHAPES:
+        import families_layer_bench as fam  # bench/, this script's directory
+
+        fields = {n: v // 8 if n in SHRUNK_FIELDS else v for n, v in fam.FAMILIES[shape][3].items()}
+        H, k = fields["hidden_size"], fields["num_experts_per_tok"]
+        I, E = fields["moe_intermediate_size"], fields["n_routed_experts"]
+        with mock.patch.dict(fam.FAMILIES, {shape: (*fam.FAMILIES[shape][:3], fields)}):
+            block = fam.build(shape, torch.device("cpu"), torch.bfloat16)
+    elif shape in SHAPES:
         (H, I, E), k = (n // 8 for n in SHAPES[shape][:3]), SHAPES[shape][3]
-        T = tokens // 64
+    else:
+        raise ValueError(f"--shapes: unknown {shape!r}; known: {', '.join([*SHAPES, *FAMILY_SHAPES])}")
     torch.manual_seed(0)
-    block = build(H, I, E, k, torch.bfloat16)
+    if shape not in FAMILY_SHAPES:
+        block = build(H, I, E, k, torch.bfloat16)
     x = torch.randn(1, T, H, dtype=torch.bfloat16)
     dy = torch.randn(1, T, H, dtype=torch.bfloat16)
     params = list(block.parameters())
