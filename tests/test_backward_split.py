@@ -52,14 +52,17 @@ def test_two_ops_give_the_single_ops_gradients(keep_rows, on_grouped_mm_path, mo
 
 
 def test_checkpointed_calls_keep_the_single_op(on_grouped_mm_path, monkeypatch):  # noqa: F811
-    """Without a kept h (save_h False: a checkpointed layer) the backward recomputes inside one op."""
+    """Without a kept h (save_h False: a checkpointed layer) the backward recomputes inside one op, with one tile map
+    for its four row-ragged GEMMs."""
     calls = []
-    real = grouped_mm_path.experts_backward
-    monkeypatch.setattr(grouped_mm_path, "experts_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name in ("experts_backward", "tile_map"):
+        real = getattr(grouped_mm_path, name)
+        monkeypatch.setattr(grouped_mm_path, name,
+                            lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     x, ids, weights, w_gate_up, w_down = make_case(12, 2, 4, 16, 8, torch.float32, seed=13)
     xg = x.detach().clone().requires_grad_()
     torch.ops.moe_fuse.experts(xg, ids, weights, w_gate_up, w_down, False)[0].sum().backward()
-    assert calls == [1]
+    assert calls == ["experts_backward", "tile_map"]
 
 
 def test_opcheck(on_grouped_mm_path):  # noqa: F811

@@ -200,6 +200,9 @@ def _fused(switch: bool, tiles, N: int, K: int, w) -> bool:
     return switch and tiles is not None and w.is_contiguous() and gluon_ragged.suits(N, K)
 
 
+BUILD = object()  # the default of a ``tiles`` argument: build the tile map (None is a value: torch's GEMMs)
+
+
 def _tiles(routing: Routing, rows: int):
     return tile_map(routing.offsets, rows) if RAGGED_TRITON and rows >= RAGGED_MIN_ROWS else None
 
@@ -268,16 +271,17 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     ids = ids.contiguous()
     if routing is None:
         routing = route(ids, E)
+    tiles = _tiles(routing, S)  # one tile map for the four row-ragged GEMMs
     if h is None:
         if xs is None:
             xs = expand_rows(x, routing.pos.view(T, k))
-        h = _row_gemm(xs, w_gate_up, _tiles(routing, S), routing.offsets[1:], w_kmajor=True)
+        h = _row_gemm(xs, w_gate_up, tiles, routing.offsets[1:], w_kmajor=True)
     dh, d_weights, d_wd = backward_down(dy, ids, weights, w_down, h, routing, aw, swiglu_limit=swiglu_limit,
                                         glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias,
-                                        interleaved=interleaved)
+                                        interleaved=interleaved, tiles=tiles)
     del h  # frees it where recomputed here
-    dx, d_wgu, d_bias = backward_gate_up(dh, x, ids, w_gate_up, routing, xs, bias_dtype=None if gate_up_bias is None
-                                         else gate_up_bias.dtype)
+    dx, d_wgu, d_bias = backward_gate_up(dh, x, ids, w_gate_up, routing, xs, tiles=tiles,
+                                         bias_dtype=None if gate_up_bias is None else gate_up_bias.dtype)
     grads = dx, d_weights, d_wgu, d_wd
     return grads if d_bias is None else (*grads, d_bias)
 
@@ -293,9 +297,10 @@ def check_kept(t, S: int, cols: int, dtype, name: str, dim: str):
 
 def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swiglu_limit: float | None = None,
                   glu_alpha: float | None = None, activation: str = "silu", gate_up_bias=None,
-                  interleaved: bool = False):
+                  interleaved: bool = False, tiles=BUILD):
     """The backward's first half, from dy to d_h: (d_h [S, 2I] (experts without a gate: [S, I]), d_weights [T, k],
-    dW_down). Reads h and aw (None: the dSwiGLU pass writes it), which nothing after it reads.
+    dW_down). Reads h and aw (None: the dSwiGLU pass writes it), which nothing after it reads. tiles: the caller's
+    ``_tiles(routing, S)``, else built here.
 
     Memory order: with aw kept, dW_down runs right after the dgrad GEMM, so the sorted copy of dy is freed before
     the dSwiGLU pass allocates d_h (the layer's backward then never holds dys and d_h at once).
@@ -308,7 +313,7 @@ def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swi
     check_kept(aw, S, I, w_down.dtype, "aw", "I")
     dy = dy.contiguous()  # the gradient of a sum arrives with stride 0
     ends = routing.offsets[1:]
-    tiles = _tiles(routing, S)
+    tiles = _tiles(routing, S) if tiles is BUILD else tiles
     dys = expand_rows(dy, routing.pos.view(T, k))
     rw = weights.reshape(-1).contiguous()
     plain = swiglu_limit is None and glu_alpha is None and activation == "silu" and gate_up_bias is None \
@@ -336,16 +341,18 @@ def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swi
     return dh, d_weights.view(T, k), d_wd
 
 
-def backward_gate_up(dh, x, ids, w_gate_up, routing: Routing, xs=None, *, bias_dtype=None):
+def backward_gate_up(dh, x, ids, w_gate_up, routing: Routing, xs=None, *, bias_dtype=None, tiles=BUILD):
     """The backward's second half, from d_h: (dx, dW_gate_up, d_gate_up_bias in bias_dtype or None). xs: the
-    expert-sorted rows of x the forward kept, or None to gather them again (after the dx GEMM's output is freed)."""
+    expert-sorted rows of x the forward kept, or None to gather them again (after the dx GEMM's output is freed).
+    tiles: as ``backward_down``'s."""
     T, k = ids.shape
     S, E = T * k, w_gate_up.shape[0]
     ends = routing.offsets[1:]
+    tiles = _tiles(routing, S) if tiles is BUILD else tiles
     # One stream: each CUTLASS GEMM fills every SM, so a weight-gradient GEMM on a second stream only
     # starts when the one before it ends (bench/results/trace_layer_paced_2026-11-30.log); layer steps
     # measured the same with and without (bench/PERF_LOG.md).
-    o = _row_gemm(dh, w_gate_up, _tiles(routing, S), ends, w_kmajor=False)  # [S, H]
+    o = _row_gemm(dh, w_gate_up, tiles, ends, w_kmajor=False)  # [S, H]
     dx = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
     del o
     if xs is None:
