@@ -17,7 +17,8 @@ GPU figures. Variants:
 sizes shrunk the same way (that bench runs it at --tokens 8192).
 
 grouped_mm_path runs on the CPU as it would on the GPU (``applies`` forced on; the grouped GEMMs one torch.mm per
-expert into their output, the Triton kernels in the interpreter, TRITON_INTERPRET=1). torch.profiler's "[memory]"
+expert into their output, the Triton kernels in the interpreter, TRITON_INTERPRET=1). Inductor's code for the peer
+calls aten's grouped GEMM itself. torch.profiler's "[memory]"
 events list every allocation and free of the step; the peak of the bytes live above the step's start is what
 layer_bench's ``peak_mem_mb`` (torch.cuda.max_memory_allocated over the base) measures on the GPU, less the CUDA
 caching allocator's rounding. Each variant's gradients are checked against eager's (relative error) and the
@@ -120,9 +121,10 @@ def run(name, block, x, dy, inner):
 
 
 def grouped_mm_out_only(a, b, offs=None, **kw):
-    """torch._grouped_mm's result, allocating its output and nothing of operand size (as CUTLASS does on the GPU;
-    torch's CPU fallback copies operands): one torch.mm per group into the output. Where autograd or a trace
-    needs the op itself, torch's. Set only after compiling: Dynamo must see torch's op in transformers' experts."""
+    """torch._grouped_mm's result, one torch.mm per group into the output: the GEMMs allocate their output and
+    nothing else, as CUTLASS does on the GPU, whatever torch's CPU fallback does in a given version (torch 2.13's
+    gave the same moe_fuse peaks at 30B T=16384). Where autograd or a trace needs the op itself, torch's. Set only after
+    compiling: Dynamo must see torch's op in transformers' experts."""
     if isinstance(a, FakeTensor) or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
         return REAL_GROUPED_MM(a, b, offs=offs, **kw)
     ends = offs.tolist()
