@@ -21,8 +21,9 @@ from moe_fuse.kernels import grouped_mm_path  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
-def _step(args, dy, keep_rows, monkeypatch, split):
-    """Gradients of the op's y (x, weights, both expert weights) and the grouped_mm_path functions its backward ran."""
+def _step(args, dy, keep_rows, monkeypatch, split, **gate):
+    """Gradients of the op's y (x, weights, both expert weights, the gate_up bias if any) and the grouped_mm_path
+    functions its backward ran."""
     calls = []
     with monkeypatch.context() as m:
         for name in ("experts_backward", "backward_down", "backward_gate_up"):
@@ -31,8 +32,11 @@ def _step(args, dy, keep_rows, monkeypatch, split):
                       lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
         m.setattr(ops, "SPLIT_BACKWARD", split)
         x, ids, weights, w_gate_up, w_down = args
-        leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w_gate_up, w_down)]
-        y = torch.ops.moe_fuse.experts(leaves[0], ids, *leaves[1:], True, keep_rows=keep_rows)[0]
+        bias = [gate.pop("gate_up_bias")] if "gate_up_bias" in gate else []
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w_gate_up, w_down, *bias)]
+        if bias:
+            gate["gate_up_bias"] = leaves[4]
+        y = torch.ops.moe_fuse.experts(leaves[0], ids, *leaves[1:4], True, keep_rows=keep_rows, **gate)[0]
         y.backward(dy)
     return [t.grad for t in leaves], calls
 
@@ -49,6 +53,27 @@ def test_two_ops_give_the_single_ops_gradients(keep_rows, on_grouped_mm_path, mo
     want = kernels.experts_backward(dy, *args)  # the kernels called directly, h, xs and aw recomputed
     for a, b, w in zip(split, one, want):
         assert torch.equal(a, b) and torch.equal(a, w)
+
+
+@pytest.mark.parametrize("gate", ["relu2", "bias_interleaved", "limit_alpha"])
+def test_two_ops_with_the_other_gates(gate, on_grouped_mm_path, monkeypatch):  # noqa: F811
+    """Experts without a gate (d_h [S, I]), GPT-OSS's biases and interleaved rows (the bias gradient from the second
+    op), clamped SwiGLU with the alpha gate: the two ops give the single op's bits."""
+    T, k, E, H, I = 24, 2, 4, 32, 16
+    x, ids, weights, w_gate_up, w_down = make_case(T, k, E, H, I, torch.float32, "skewed", seed=16)
+    kw = {"relu2": {"activation": "relu2"},
+          "bias_interleaved": {"gate_up_bias": torch.randn(E, 2 * I).to(DEVICE), "interleaved": True},
+          "limit_alpha": {"swiglu_limit": 1.0, "glu_alpha": 1.702}}[gate]
+    if gate == "relu2":
+        w_gate_up = w_gate_up[:, :I].contiguous()  # the up projection [E, I, H]
+    args = (x, ids, weights, w_gate_up, w_down)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(17)).to(DEVICE)
+    split, split_calls = _step(args, dy, True, monkeypatch, True, **dict(kw))
+    one, one_calls = _step(args, dy, True, monkeypatch, False, **dict(kw))
+    assert split_calls == ["backward_down", "backward_gate_up"] and one_calls[0] == "experts_backward"
+    assert len(split) == len(one) == (5 if gate == "bias_interleaved" else 4)
+    for a, b in zip(split, one):
+        assert torch.equal(a, b)
 
 
 def test_checkpointed_calls_keep_the_single_op(on_grouped_mm_path, monkeypatch):  # noqa: F811
