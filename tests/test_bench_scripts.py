@@ -106,7 +106,7 @@ def test_backward_memory_cpu_smoke(tmp_path):
     assert all(r["worst_grad_err_vs_eager"] < 2e-2 for r in rows.values()), rows
     s = rows["moe_fuse"]["sizes"]
     S, H, I, E, T = s["T"] * s["k"], s["H"], s["I"], s["E"], s["T"]
-    # bf16 bytes by which the one op's peak (at dW_down, its last step, h and aw still held) exceeds the two ops':
+    # bf16 bytes by which the one op's peak (at dW_gate_up, its last step, h and aw still held) exceeds the two ops':
     # h + aw over the second op's, dW_gate_up + d_h + dx - dys - g over the first op's (at dW_down, beside dys and g)
     drop = 2 * min(S * 3 * I, E * 2 * I * H + S * 2 * I + T * H - S * H - S * I)
     assert (rows["moe_fuse_one_op"]["peak_mib"] - rows["moe_fuse"]["peak_mib"]) * 2**20 >= 0.9 * drop, rows
