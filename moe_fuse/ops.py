@@ -119,8 +119,10 @@ torch.library.register_autograd("moe_fuse::router", _router_backward, setup_cont
 def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, glu_alpha=None, activation="silu",
                         gate_up_bias=None, interleaved=False):
     # Kernels index with these shapes; a mismatch must be an error, not a wrong answer.
-    if activation not in reference.ACTIVATIONS:
-        raise ValueError(f"moe_fuse.experts: activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
+    try:
+        reference.parse_activation(activation)
+    except ValueError as e:
+        raise ValueError(f"moe_fuse.experts: {e}") from None
     if glu_alpha is not None and activation != "silu":
         raise ValueError(f"moe_fuse.experts: glu_alpha is a gate of its own; it does not combine with {activation!r}")
     if swiglu_limit is not None and not (0 < swiglu_limit < float("inf")):
@@ -199,7 +201,8 @@ def experts(
     swiglu_limit L (transformers' clamped SwiGLU): silu(gate.clamp(max=L)) * up.clamp(-L, L).
     glu_alpha a (the GPT-OSS-style gate of MiniMax-M3-VL): gate * sigmoid(a * gate) * (up + 1) instead of
     silu(gate) * up, after the clamps if any.
-    activation "gelu_tanh" (GeGLU, Gemma 4): gelu(gate, approximate="tanh") * up instead of silu(gate) * up.
+    activation "gelu_tanh" (GeGLU, Gemma 4): gelu(gate, approximate="tanh") * up instead of silu(gate) * up;
+    ``reference.softcapped(Cg, Cu)`` (Inkling 2): Cg tanh(gate / Cg) * sigmoid(gate) * Cu tanh(up / Cu) in fp32.
     activation "relu2" (experts without a gate, Nemotron-H): w_gate_up is the up projection [E, I, H], h [T*k, I],
     and the activation relu(up)^2; no gate options with it.
     gate_up_bias [E, 2I] (GPT-OSS): added to the gate_up GEMM's output before the gate (h is kept without it).

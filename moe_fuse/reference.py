@@ -15,6 +15,7 @@ activations: Nemotron-H's squared ReLU) have an up projection only: ``w_gate_up`
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -87,10 +88,48 @@ def clamp_gate_up(gate, up, limit: float | None):
     return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
 
 
-ACTIVATIONS = ("silu", "gelu_tanh", "relu2")
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2", "softcapped_silu")
+# "softcapped_silu" carries its two constants in its name, ``softcapped(gate_cap, up_cap)``: Inkling 2's
+# SwiGLU, softcap(gate, Cg) * sigmoid(gate) * softcap(up, Cu) in fp32 with softcap(v, C) = C * tanh(v / C).
+# In the name, not in more op arguments: an activation is one argument of every op that computes one.
+_SOFTCAPPED = re.compile(r"softcapped_silu\((?P<gate>[^,()]+), (?P<up>[^,()]+)\)")
 # Activations of experts without a gate: a = act(up) (transformers' ``has_gate=False``). "relu2" is
 # transformers' ReLUSquaredActivation, relu(up)^2 (Nemotron-H).
 UNGATED = ("relu2",)
+
+
+def softcapped(gate_cap: float, up_cap: float) -> str:
+    """The ``activation`` of the softcapped SwiGLU with these caps (positive, finite)."""
+    caps = (float(gate_cap), float(up_cap))
+    if not all(0 < c < math.inf for c in caps):
+        raise ValueError(f"softcapped_silu: the caps must be positive finite numbers, got {gate_cap}, {up_cap}")
+    return f"softcapped_silu({caps[0]!r}, {caps[1]!r})"
+
+
+def parse_activation(activation: str) -> tuple[str, tuple[float, ...]]:
+    """(name, constants) of an ``activation``: ("silu", ()), ..., ("softcapped_silu", (gate_cap, up_cap)).
+
+    Raises ValueError for a name that is not one of ``ACTIVATIONS``, or softcap constants that are not
+    positive finite numbers."""
+    m = _SOFTCAPPED.fullmatch(activation) if isinstance(activation, str) else None
+    if m is not None:
+        try:
+            caps = float(m["gate"]), float(m["up"])
+        except ValueError:
+            caps = ()
+        if len(caps) == 2 and all(0 < c < math.inf for c in caps):
+            return "softcapped_silu", caps
+        raise ValueError(f"activation {activation!r}: the softcaps must be positive finite numbers")
+    if activation not in ACTIVATIONS or activation == "softcapped_silu":
+        raise ValueError(f"activation must be one of silu, gelu_tanh, relu2 or softcapped_silu(gate_cap, up_cap) "
+                         f"(reference.softcapped), got {activation!r}")
+    return activation, ()
+
+
+def softcaps(activation: str) -> tuple[float, float] | None:
+    """(gate_cap, up_cap) of a softcapped SwiGLU's ``activation``, else None."""
+    name, caps = parse_activation(activation)
+    return caps if name == "softcapped_silu" else None
 
 
 def gated(activation: str) -> bool:
@@ -116,9 +155,16 @@ GELU_C = 2.0 * math.sqrt(2.0 / math.pi)
 def glu(gate, up, alpha: float | None, activation: str = "silu"):
     """silu(gate) * up; with ``alpha`` the GPT-OSS-style gate (MiniMax-M3-VL, GPT-OSS):
     gate * sigmoid(gate * alpha) * (up + 1), spelled as transformers spells it; with ``activation``
-    "gelu_tanh" GeGLU, gelu(gate, approximate="tanh") * up (Gemma 4)."""
+    "gelu_tanh" GeGLU, gelu(gate, approximate="tanh") * up (Gemma 4); with ``softcapped(Cg, Cu)`` Inkling 2's
+    softcapped SwiGLU, Cg tanh(gate / Cg) * sigmoid(gate) * Cu tanh(up / Cu), in fp32 (or wider) and cast back."""
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
+    caps = softcaps(activation)
+    if caps is not None:
+        ct = torch.promote_types(gate.dtype, torch.float32)
+        g, u = gate.to(ct), up.to(ct)
+        gate_cap, up_cap = caps
+        return (torch.tanh(g / gate_cap) * gate_cap * torch.sigmoid(g) * (torch.tanh(u / up_cap) * up_cap)).to(gate.dtype)
     if alpha is None:
         return F.silu(gate) * up
     return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
@@ -131,6 +177,20 @@ def _gate_slope(gate, alpha: float | None, activation: str):
         return GELU_C * (gate + GELU_A * gate**3), GELU_C * (1 + 3 * GELU_A * gate**2)
     a = 1.0 if alpha is None else alpha
     return a * gate, a
+
+
+def _gate_terms(gate, up, alpha: float | None, activation: str):
+    """(act, d act / d gate, up_term, d up_term / d up) of ``glu`` = act(gate) * up_term(up), in gate's dtype."""
+    caps = softcaps(activation)
+    if caps is not None:  # act = Cg tanh(gate / Cg) sigmoid(gate), up_term = Cu tanh(up / Cu)
+        gate_cap, up_cap = caps
+        tg, tu, sig = torch.tanh(gate / gate_cap), torch.tanh(up / up_cap), torch.sigmoid(gate)
+        act = gate_cap * tg * sig
+        return act, sig * (1 - tg * tg) + act * (1 - sig), up_cap * tu, 1 - tu * tu
+    u, du = _gate_slope(gate, alpha, activation)
+    sig = torch.sigmoid(u)
+    up_term = up if alpha is None else up + 1
+    return gate * sig, sig * (1 + du * gate * (1 - sig)), up_term, 1
 
 
 def split_gate_up(h, interleaved: bool = False):
@@ -232,18 +292,15 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, swiglu_limit: float
             continue
         raw_gate, raw_up = split_gate_up(h, interleaved)
         gate, up = clamp_gate_up(raw_gate, raw_up, limit)
-        u, du = _gate_slope(gate, glu_alpha, activation)
-        sig = torch.sigmoid(u)
-        act = gate * sig
-        up_term = up if glu_alpha is None else up + 1
+        act, d_act, up_term, d_up_term = _gate_terms(gate, up, glu_alpha, activation)
         a = act * up_term
         y = a @ wd[e].t()
         dw_rows[rows] = (dys[rows] * y).sum(dim=-1)
         d_y = dys[rows] * ws[rows, None]
         d_wd[e] = d_y.t() @ a
         d_a = d_y @ wd[e]
-        d_gate = d_a * up_term * sig * (1 + du * gate * (1 - sig))
-        d_up = d_a * act
+        d_gate = d_a * up_term * d_act
+        d_up = d_a * act * d_up_term
         if limit is not None:
             d_gate = d_gate * (raw_gate <= limit)
             d_up = d_up * ((raw_up >= -limit) & (raw_up <= limit))

@@ -175,12 +175,14 @@ def gate_args(module) -> tuple | None:
       DeepSeek-V4: the bound in ``swiglu_limit`` or ``limit``);
     - ``(L, a)``: the GPT-OSS-style gate after those clamps, gate * sigmoid(a * gate) * (up + 1)
       (MiniMax-M3-VL: ``swiglu_alpha``; GPT-OSS: ``alpha``, on gate and up rows interleaved: ``_interleaved``);
-    - ``()``: plain silu(gate) * up, computed in fp32 and cast back (Beam), what the kernels compute anyway.
+    - ``()``: plain silu(gate) * up, computed in fp32 and cast back (Beam), what the kernels compute anyway;
+    - ``(None, None, softcapped(Cg, Cu))``: Inkling 2's softcapped SwiGLU, Cg tanh(gate / Cg) * sigmoid(gate) *
+      Cu tanh(up / Cu) (the caps in ``act_fn.gate_softcap.softcap`` and ``act_fn.up_softcap.softcap``).
 
     The probe has values past the bound; it runs once per class, gate function and constants (a re-bound
     gate is proved again). A gate that only looks like one of these does not pass.
     """
-    from ..reference import clamp_gate_up, glu, split_gate_up
+    from ..reference import clamp_gate_up, glu, softcapped, split_gate_up
 
     limit = _number(getattr(module, "swiglu_limit", None))
     limit = _number(getattr(module, "limit", None)) if limit is None else limit
@@ -188,7 +190,13 @@ def gate_args(module) -> tuple | None:
     alpha = _number(getattr(module, "swiglu_alpha", None))
     alpha = _number(getattr(module, "alpha", None)) if alpha is None else alpha  # GPT-OSS's name for it
     interleaved = _interleaved(module)
-    key = (type(module), getattr(type(module), "_apply_gate", None), limit, alpha, interleaved)
+    act = getattr(module, "act_fn", None)
+    caps = tuple(_number(getattr(getattr(act, f"{half}_softcap", None), "softcap", None)) for half in ("gate", "up"))
+    caps = caps if all(c is not None and c > 0 for c in caps) else None
+    # act_fn's modules and their forwards are part of what is proved (the softcapped gate calls them)
+    act_code = tuple((type(m), getattr(type(m), "forward", None)) for m in act.modules()) \
+        if isinstance(act, torch.nn.Module) else type(act)
+    key = (type(module), getattr(type(module), "_apply_gate", None), limit, alpha, interleaved, caps, act_code)
     if key not in _PROVEN_GATES:
         # float32: a gate that upcasts computes in float32 whatever it is given (Beam's .float())
         gen = torch.Generator().manual_seed(0)
@@ -203,6 +211,9 @@ def gate_args(module) -> tuple | None:
             candidates += [((limit,), glu(gate, up, None))]
             if alpha is not None:
                 candidates += [((limit, alpha), glu(gate, up, alpha))]
+        if caps is not None:
+            candidates += [((None, None, softcapped(*caps)), glu(*split_gate_up(probe, interleaved), None,
+                                                                 softcapped(*caps)))]
         _PROVEN_GATES[key] = None
         for args, want in candidates:
             if isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype and bool(

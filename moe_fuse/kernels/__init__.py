@@ -37,10 +37,10 @@ def transposed(w) -> bool:
 
 def grouped_mm_only(activation: str, gate_up_bias, interleaved: bool) -> bool:
     """Whether these experts are what only grouped_mm_path computes: a gate_up bias, interleaved gate/up rows,
-    experts without a gate (the fused Triton GEMMs have none of these in their epilogues)."""
-    from ..reference import gated
+    experts without a gate, the softcapped SwiGLU (the fused Triton GEMMs have none of these in their epilogues)."""
+    from ..reference import gated, softcaps
 
-    return gate_up_bias is not None or interleaved or not gated(activation)
+    return gate_up_bias is not None or interleaved or not gated(activation) or softcaps(activation) is not None
 
 
 def uses_grouped_mm(x, ids, w_gate_up, w_down, *others) -> bool:
@@ -98,8 +98,9 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
             glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias, interleaved=interleaved,
         )
     if extras:
-        raise ValueError("experts_forward: gate_up_bias, interleaved gate/up rows and experts without a gate run on "
-                         "grouped_mm_path only (CUDA sm90+, bf16); elsewhere use reference.experts_forward")
+        raise ValueError("experts_forward: gate_up_bias, interleaved gate/up rows, experts without a gate and the "
+                         "softcapped SwiGLU run on grouped_mm_path only (CUDA sm90+, bf16); elsewhere use "
+                         "reference.experts_forward")
     out = impl(x, ids, weights, w_gate_up, w_down, save_h=save_h, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha,
                activation=activation)
     return (*out, None, None) if save_h and keep_rows else out
@@ -122,8 +123,9 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
             glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias, interleaved=interleaved,
         )
     if grouped_mm_only(activation, gate_up_bias, interleaved):
-        raise ValueError("experts_backward: gate_up_bias, interleaved gate/up rows and experts without a gate run on "
-                         "grouped_mm_path only (CUDA sm90+, bf16); elsewhere use reference.experts_backward")
+        raise ValueError("experts_backward: gate_up_bias, interleaved gate/up rows, experts without a gate and the "
+                         "softcapped SwiGLU run on grouped_mm_path only (CUDA sm90+, bf16); elsewhere use "
+                         "reference.experts_backward")
     return impl(dy, x, ids, weights, w_gate_up, w_down, h, routing=routing, swiglu_limit=swiglu_limit,
                 glu_alpha=glu_alpha, activation=activation)
 

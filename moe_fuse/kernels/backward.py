@@ -42,7 +42,7 @@ import torch
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..reference import limit_in
+from ..reference import limit_in, softcaps
 from ._jit import cdiv, interpreting, lazy_jit, next_power_of_2
 from .combine import combine
 from .forward import supports
@@ -331,9 +331,12 @@ def _dswiglu_kernel(
     E,
     limit,  # swiglu_limit in h's dtype (LIMITED)
     alpha,  # glu_alpha (ALPHA_GATE)
+    gate_cap,  # softcap of the gate's linear factor (SOFTCAP)
+    up_cap,  # softcap of up (SOFTCAP)
     LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) before SwiGLU
     ALPHA_GATE: tl.constexpr,  # gate * sigmoid(alpha * gate) * (up + 1) instead of silu(gate) * up
     GELU_TANH: tl.constexpr,  # gelu(gate, approximate="tanh") * up (GeGLU) instead of silu(gate) * up
+    SOFTCAP: tl.constexpr,  # softcap(gate) * sigmoid(gate) * softcap(up), softcap(v) = cap * tanh(v / cap)
     WRITE_AW: tl.constexpr,  # False: the forward kept aw (grouped_mm_path), skip the [S, I] store
     HAS_BIAS: tl.constexpr,  # h + bias[e] first (in fp32)
     INTERLEAVED: tl.constexpr,  # gate, up = h's even, odd columns (GPT-OSS); d_h written so too
@@ -386,6 +389,20 @@ def _dswiglu_kernel(
             sig = tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
             act = gate * sig
             up_term = up
+        elif SOFTCAP:  # tanh as in grouped_mm_path._swiglu_kernel (change both)
+            v = gate / gate_cap
+            e = tl.exp(-2.0 * tl.abs(v))
+            v2 = v * v
+            series = v * (1.0 + v2 * (-1.0 / 3 + v2 * (2.0 / 15 + v2 * (-17.0 / 315 + v2 * (62.0 / 2835)))))
+            tg = tl.where(tl.abs(v) < 0.25, series, tl.where(v < 0, -1.0, 1.0) * ((1.0 - e) / (1.0 + e)))
+            v = up / up_cap
+            e = tl.exp(-2.0 * tl.abs(v))
+            v2 = v * v
+            series = v * (1.0 + v2 * (-1.0 / 3 + v2 * (2.0 / 15 + v2 * (-17.0 / 315 + v2 * (62.0 / 2835)))))
+            tu = tl.where(tl.abs(v) < 0.25, series, tl.where(v < 0, -1.0, 1.0) * ((1.0 - e) / (1.0 + e)))
+            sig = tl.sigmoid(gate)
+            act = tg * gate_cap * sig
+            up_term = tu * up_cap
         else:
             sig = tl.sigmoid(gate)
             act = gate * sig  # silu(gate)
@@ -397,9 +414,13 @@ def _dswiglu_kernel(
             d_gate = d_a * up_term * sig * (1.0 + alpha * gate * (1.0 - sig))
         elif GELU_TANH:  # d(gate * sigmoid(u)) = sig * (1 + gate * (1 - sig) * du), du = C * (1 + 3 * 0.044715 * gate^2)
             d_gate = d_a * up * sig * (1.0 + 1.5957691216057308 * (1.0 + 0.134145 * gate * gate) * gate * (1.0 - sig))
+        elif SOFTCAP:  # d act = sig (1 - tg^2) + act (1 - sig); d up_term = 1 - tu^2
+            d_gate = d_a * up_term * (sig * (1.0 - tg * tg) + act * (1.0 - sig))
         else:
             d_gate = d_a * up * sig * (1.0 + gate * (1.0 - sig))
         d_up = d_a * act
+        if SOFTCAP:
+            d_up = d_up * (1.0 - tu * tu)
         if LIMITED:
             d_gate = tl.where(g_in, d_gate, 0.0)
             d_up = tl.where(u_in, d_up, 0.0)
@@ -747,11 +768,12 @@ def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True,
     block_i = 32 if interpreting() else 256
     E = routing.counts.numel()
     bias, row_experts = bias_operands(gate_up_bias, ids, E, 2 * I, routing.order)
+    caps = softcaps(activation)
     _dswiglu_kernel[(cdiv(S, block_r),)](
         g, h, rw, routing.order, routing.offsets, dh, aw if write_aw else dh, d_weights, bias, row_experts, S, I,
-        E, 0.0 if limit is None else limit, 1.0 if glu_alpha is None else float(glu_alpha),
+        E, 0.0 if limit is None else limit, 1.0 if glu_alpha is None else float(glu_alpha), *(caps or (1.0, 1.0)),
         LIMITED=limit is not None, ALPHA_GATE=glu_alpha is not None, GELU_TANH=activation == "gelu_tanh",
-        WRITE_AW=write_aw, HAS_BIAS=gate_up_bias is not None, INTERLEAVED=interleaved,
+        SOFTCAP=caps is not None, WRITE_AW=write_aw, HAS_BIAS=gate_up_bias is not None, INTERLEAVED=interleaved,
         BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
     )
     return dh, aw, d_weights
@@ -975,6 +997,8 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
     Outputs are contiguous, in the dtypes of x, weights, w_gate_up, w_down, except that the gradient of a weight
     given as the transpose of a contiguous tensor is the transpose of a contiguous one too.
     """
+    if softcaps(activation) is not None:
+        raise ValueError("experts_backward: the softcapped SwiGLU runs on grouped_mm_path only")
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = w_gate_up.shape

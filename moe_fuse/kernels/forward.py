@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..reference import softcaps
 from ._jit import interpreter_usable
 from .combine import combine
 from .grouped_gemm import down, gate_up
@@ -57,6 +58,8 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     ``(y, h, routing)`` where h [S, 2I] is the pre-activation (gate | up) in
     sorted order (row p belongs to ``routing.order[p]``) in the weights' dtype.
     """
+    if softcaps(activation) is not None:
+        raise ValueError("experts_forward: the softcapped SwiGLU runs on grouped_mm_path only")
     T, H = x.shape
     k = ids.shape[1]
     E = w_gate_up.shape[0]

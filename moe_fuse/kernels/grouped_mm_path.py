@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ..reference import gated, limit_in
+from ..reference import gated, limit_in, softcaps
 from ._jit import cdiv, interpreting, lazy_jit
 from . import gluon_ragged
 from . import transposed
@@ -105,9 +105,12 @@ def _swiglu_kernel(
     E,
     limit,  # swiglu_limit in h's dtype (LIMITED)
     alpha,  # glu_alpha (ALPHA_GATE)
+    gate_cap,  # softcap of the gate's linear factor (SOFTCAP)
+    up_cap,  # softcap of up (SOFTCAP)
     LIMITED: tl.constexpr,  # gate.clamp(max=limit), up.clamp(-limit, limit) first
     ALPHA_GATE: tl.constexpr,  # gate * sigmoid(alpha * gate) * (up + 1) instead of silu(gate) * up
     GELU_TANH: tl.constexpr,  # gelu(gate, approximate="tanh") * up (GeGLU) instead of silu(gate) * up
+    SOFTCAP: tl.constexpr,  # softcap(gate) * sigmoid(gate) * softcap(up), softcap(v) = cap * tanh(v / cap)
     HAS_BIAS: tl.constexpr,  # h + bias[e] first (in fp32)
     INTERLEAVED: tl.constexpr,  # gate, up = h's even, odd columns (GPT-OSS) instead of its two halves
     BLOCK_R: tl.constexpr,
@@ -149,6 +152,20 @@ def _swiglu_kernel(
             aw = w * (gate * tl.sigmoid(alpha * gate) * (up + 1.0))
         elif GELU_TANH:  # gelu's tanh form is gate * sigmoid(2 * sqrt(2 / pi) * (gate + 0.044715 * gate^3))
             aw = w * (gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up)
+        elif SOFTCAP:
+            # tanh(v) of v = gate / gate_cap and up / up_cap: (1 - e) / (1 + e), e = exp(-2|v|), with the sign; below
+            # |v| = 1/4, where 1 - e cancels, its series to v^9 (error < 1e-8 relative). The same in _dswiglu_kernel.
+            v = gate / gate_cap
+            e = tl.exp(-2.0 * tl.abs(v))
+            v2 = v * v
+            series = v * (1.0 + v2 * (-1.0 / 3 + v2 * (2.0 / 15 + v2 * (-17.0 / 315 + v2 * (62.0 / 2835)))))
+            tg = tl.where(tl.abs(v) < 0.25, series, tl.where(v < 0, -1.0, 1.0) * ((1.0 - e) / (1.0 + e)))
+            v = up / up_cap
+            e = tl.exp(-2.0 * tl.abs(v))
+            v2 = v * v
+            series = v * (1.0 + v2 * (-1.0 / 3 + v2 * (2.0 / 15 + v2 * (-17.0 / 315 + v2 * (62.0 / 2835)))))
+            tu = tl.where(tl.abs(v) < 0.25, series, tl.where(v < 0, -1.0, 1.0) * ((1.0 - e) / (1.0 + e)))
+            aw = w * (tg * gate_cap * tl.sigmoid(gate) * (tu * up_cap))
         else:
             aw = w * (gate * tl.sigmoid(gate) * up)
         tl.store(a_ptr + p64 * I + i[None, :], aw.to(a_ptr.dtype.element_ty), mask=mask)
@@ -169,11 +186,13 @@ def swiglu(h: torch.Tensor, routing: Routing, rw: torch.Tensor, swiglu_limit: fl
     # 4 x 256: 150 us against 161 at 16 x 128 (30B, T=16384, H200; bench/probe_pass_configs_gpu.py).
     block_r, block_i = (4, 32) if interpreting() else (4, 256)
     limit = limit_in(h.dtype, swiglu_limit)
+    caps = softcaps(activation)
     bias, row_experts = bias_operands(gate_up_bias, ids, E, two_i, routing.order)
     _swiglu_kernel[(cdiv(S, block_r),)](
         h, rw, routing.order, a, routing.offsets, bias, row_experts, S, I, E, 0.0 if limit is None else limit,
-        1.0 if glu_alpha is None else float(glu_alpha), LIMITED=limit is not None, ALPHA_GATE=glu_alpha is not None,
-        GELU_TANH=activation == "gelu_tanh", HAS_BIAS=gate_up_bias is not None, INTERLEAVED=interleaved,
+        1.0 if glu_alpha is None else float(glu_alpha), *(caps or (1.0, 1.0)), LIMITED=limit is not None,
+        ALPHA_GATE=glu_alpha is not None, GELU_TANH=activation == "gelu_tanh", SOFTCAP=caps is not None,
+        HAS_BIAS=gate_up_bias is not None, INTERLEAVED=interleaved,
         BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4,
     )
     return a

@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
+from ..reference import softcaps
 from ..spec import ExpertsSpec
 from .candidate import Candidate, Rejection
 from .graph import (
@@ -199,6 +200,8 @@ def match(up_bmm: fx.Node) -> Candidate:
         raise NoMatch("gate_up is not chunked over its last dim", chunk)
     gate, up, limit = match_swiglu_limit(getitem_user(chunk, 0), getitem_user(chunk, 1))
     glu, alpha, activation = match_glu(gate, up)
+    if softcaps(activation) is not None:  # would need grouped_mm_path's checks (passes/grouped_mm.py); no model has it
+        raise NoMatch("the softcapped SwiGLU in dense experts (not fused)", glu)
     down_bmm = user_of(glu, "bmm")
     if len(down_bmm.args) != 2 or down_bmm.args[0] is not glu or down_bmm.kwargs:
         raise NoMatch("the down bmm does not multiply the gated activation from the left", down_bmm)

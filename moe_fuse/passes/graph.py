@@ -46,6 +46,7 @@ def _function_names():
         operator.pow: "pow",
         torch._C._nn.gelu: "gelu",  # = F.gelu
         torch.sigmoid: "sigmoid",
+        torch.tanh: "tanh",
         operator.add: "add",
         torch.empty_like: "empty_like",
         torch.arange: "arange",

@@ -38,7 +38,7 @@ import torch.fx as fx
 import functools
 
 from .. import ops
-from ..reference import gated
+from ..reference import gated, softcapped, softcaps
 from ..spec import ExpertsSpec
 from .candidate import Candidate, Rejection
 from .graph import (
@@ -280,7 +280,8 @@ def match(up_mm: fx.Node) -> Candidate:
         gate_up_bias=gate_up_bias is not None,
         down_bias=down_bias is not None,
     )
-    if gate_up_bias is not None or down_bias is not None or interleaved or activation == "relu2":
+    if gate_up_bias is not None or down_bias is not None or interleaved or activation == "relu2" \
+            or softcaps(activation) is not None:
         _check_kernel_path(x, w_gate_up, w_down, stored_transposed, activation, up_mm)
     notes = ["expert weights stored [E, in, out]: the op reads transposed views (no copy)"] if stored_transposed else []
     if interleaved:
@@ -296,8 +297,8 @@ def match(up_mm: fx.Node) -> Candidate:
 
 
 def _check_kernel_path(x, w_gate_up, w_down, stored_transposed: bool, activation: str, where):
-    """Expert biases, interleaved gate/up rows and experts without a gate run fused only on the kernels'
-    grouped_mm path (CUDA sm90+, bf16); elsewhere on a GPU the op would run its reference, a Python loop over the
+    """Expert biases, interleaved gate/up rows, experts without a gate and the softcapped SwiGLU run fused only on
+    the kernels' grouped_mm path (CUDA sm90+, bf16); elsewhere on a GPU the op would run its reference, a Python loop over the
     experts slower than the graph it replaces: no match there. (On the CPU the reference is what every op runs.)
     Asks ``grouped_mm_path.applies``, which reads only dtypes, devices and the weights' static layout (no guard on
     a symbolic token count)."""
@@ -309,7 +310,8 @@ def _check_kernel_path(x, w_gate_up, w_down, stored_transposed: bool, activation
     if stored_transposed:
         gu_v, d_v = gu_v.transpose(-2, -1), d_v.transpose(-2, -1)
     if not grouped_mm_path.applies(x_v, gu_v, d_v):
-        what = "experts without a gate" if not gated(activation) else "expert biases or interleaved gate/up rows"
+        what = "experts without a gate" if not gated(activation) else "the softcapped SwiGLU" \
+            if softcaps(activation) is not None else "expert biases or interleaved gate/up rows"
         raise NoMatch(f"{what} run fused on CUDA sm90+ in bf16 only (the grouped_mm path); here the op would run its "
                       "reference loop over the experts, slower than this graph", where)
 
@@ -366,11 +368,43 @@ def match_glu(gate: fx.Node, up: fx.Node):
             raise NoMatch("gated activation is not (up + 1) * (gate * sigmoid(gate * alpha))", glu)
         return glu, alpha, "silu"
     gate, up = _through_upcast(gate), _through_upcast(up)  # Beam: silu(gate.float()) * up.float(), cast back
+    if any(is_op(u, "truediv") for u in gate.users):
+        return _match_softcapped(gate, up)
     act = user_of(gate, "silu")
     glu = user_of(act, "mul")
     if set(glu.args) != {act, up}:
         raise NoMatch("gated activation is not silu(gate) * up", glu)
     return glu, None, "silu"
+
+
+def _match_softcapped(gate: fx.Node, up: fx.Node):
+    """Inkling 2's softcapped SwiGLU, ``softcap(gate, Cg) * sigmoid(gate) * softcap(up, Cu)`` ->
+    (node, None, ``reference.softcapped(Cg, Cu)``). The kernels compute it in fp32, as the model does."""
+    gate_capped, gate_cap = _softcap(gate)
+    sig = user_of(gate, "sigmoid")
+    act = user_of(gate_capped, "mul")
+    if set(act.args) != {gate_capped, sig}:
+        raise NoMatch("softcapped gate is not softcap(gate) * sigmoid(gate)", act)
+    up_capped, up_cap = _softcap(up)
+    glu = user_of(act, "mul")
+    if set(glu.args) != {act, up_capped}:
+        raise NoMatch("gated activation is not softcap(gate) * sigmoid(gate) * softcap(up)", glu)
+    return glu, None, softcapped(gate_cap, up_cap)
+
+
+def _softcap(v: fx.Node):
+    """``tanh(v / C) * C`` (transformers' softcap, C a positive number) -> (its node, C)."""
+    div = user_of(v, "truediv")
+    cap = _literal(div)
+    if cap is None or div.args[0] is not v or div.kwargs:
+        raise NoMatch(f"{v.name} divided as {div.args} {div.kwargs or ''}, expected {v.name} / C".rstrip(), div)
+    if not 0 < cap < float("inf"):
+        raise NoMatch(f"softcap {cap}: expected a positive finite number", div)
+    tanh = user_of(div, "tanh")
+    capped = user_of(tanh, "mul")
+    if set(capped.args) != {tanh, cap} or len(capped.args) != 2:
+        raise NoMatch(f"tanh({v.name} / {cap}) is scaled as {capped.args}, expected by {cap} (a softcap)", capped)
+    return capped, cap
 
 
 def _through_upcast(node: fx.Node) -> fx.Node:
