@@ -110,3 +110,16 @@ def test_backward_memory_cpu_smoke(tmp_path):
     # h + aw over the second op's, dW_gate_up + d_h + dx - dys - g over the first op's (at dW_down, beside dys and g)
     drop = 2 * min(S * 3 * I, E * 2 * I * H + S * 2 * I + T * H - S * H - S * I)
     assert (rows["moe_fuse_one_op"]["peak_mib"] - rows["moe_fuse"]["peak_mib"]) * 2**20 >= 0.9 * drop, rows
+
+
+def test_check_softcap_smoke(tmp_path):
+    """bench/check_softcap_gpu.py on tiny fp32 shapes: the training path with the softcaps within fp32 rounding of
+    the reference and repeatable, and the block with Inkling 2's gate spelling fused with its caps."""
+    _run("check_softcap_gpu.py", tmp_path)
+    data = json.loads((tmp_path / "check_softcap.json").read_text())
+    assert set(data["paths"]) == {"inkling2 (4, 25)", "bent (1, 2)", "silu"}
+    for label, r in data["paths"].items():
+        assert r["repeat_bitwise"] and max(r["errors"].values()) < 1e-5, (label, r)
+    assert any("grouped_mm_experts" in line and "activation=softcapped_silu(4.0, 25.0)" in line
+               for line in data["block"]["rewrites"]), data["block"]["rewrites"]
+    assert data["block"]["worst_vs_eager"][1] < 1e-5, data["block"]
