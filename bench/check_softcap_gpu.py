@@ -97,6 +97,7 @@ def inkling_gate(caps):
 
 
 def block_check(T, shape, dev, dtype, smoke, results):
+    from check_swiglu_limit_gpu import block_grads
     from layer_bench import SHAPES as BLOCK_SHAPES, build_block, ensure_moe_fuse_backend
 
     import moe_fuse
@@ -121,8 +122,7 @@ def block_check(T, shape, dev, dtype, smoke, results):
         return run
 
     def grads(fn):
-        out = step(fn)()
-        return [out.detach().clone()] + [p.grad.clone() for p in params]
+        return block_grads(fn, x, dy, params)
 
     eager = grads(block)
     torch._dynamo.reset()

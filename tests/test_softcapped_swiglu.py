@@ -21,7 +21,8 @@ import families  # noqa: E402
 from test_kernels_forward import DEVICE, make_case, poisoned_buffers, rel_err  # noqa: E402
 from test_ops import random_case  # noqa: E402
 from test_swiglu_limit import (  # noqa: E402
-    KERNEL_CASES, LIMIT, TOL, assert_same_step, check, eager_interface_step, experts_entries, run,
+    KERNEL_CASES, LIMIT, TOL, assert_same_step, check, clear_limit, eager_interface_step, experts_entries,
+    naive_experts, run,
 )
 
 import moe_fuse.ops  # noqa: E402,F401
@@ -42,20 +43,6 @@ def softcapped_glu64(gate, up, caps=CAPS):
     return torch.tanh(gate / g_cap) * g_cap * torch.sigmoid(gate) * (torch.tanh(up / u_cap) * u_cap)
 
 
-def naive_experts(x, ids, weights, w_gate_up, w_down, limit=None):
-    rows = []
-    for t in range(x.shape[0]):
-        acc = torch.zeros_like(x[t])
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate, up = (w_gate_up[e] @ x[t]).chunk(2)
-            if limit is not None:
-                gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-            acc = acc + weights[t, j] * (w_down[e] @ softcapped_glu64(gate, up))
-        rows.append(acc)
-    return torch.stack(rows)
-
-
 def test_the_activation_names_its_caps():
     assert SOFTCAPPED == "softcapped_silu(0.5, 0.8)"
     assert reference.parse_activation(SOFTCAPPED) == ("softcapped_silu", CAPS)
@@ -70,7 +57,7 @@ def test_op_matches_softcapped_definition_and_its_autograd(save_h, limit):
     w_gate_up = w_gate_up * 2  # h of about N(0, 4): well into both tanh's bends
     leaves = [t.requires_grad_() for t in (x, weights, w_gate_up, w_down)]
     got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, limit, None, SOFTCAPPED)[0]
-    want = naive_experts(x, ids, weights, w_gate_up, w_down, limit)
+    want = naive_experts(x, ids, weights, w_gate_up, w_down, limit, glu=softcapped_glu64)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     silu = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, limit)[0]
     assert (silu - want).abs().max() > 0.1  # the caps changed the result: the test can fail
@@ -154,34 +141,38 @@ def test_tanh_of_the_passes_on_both_sides_of_the_series_bound(monkeypatch):
 NAMES = ("dx", "d_weights", "d_w_gate_up", "d_w_down")
 
 
-def ref64(args, dtype, dy=None, activation=SOFTCAPPED):
+def ref64(args, dtype, dy=None, activation=SOFTCAPPED, limit=None):
     cpu = [t.cpu() for t in args]
     cpu = [t.double() if t.is_floating_point() else t for t in cpu]
     if dy is None:
-        return reference.experts_forward(*cpu, activation=activation)
-    return reference.experts_backward(dy.cpu().double(), *cpu, activation=activation)
+        return reference.experts_forward(*cpu, activation=activation, swiglu_limit=limit)
+    return reference.experts_backward(dy.cpu().double(), *cpu, activation=activation, swiglu_limit=limit)
 
 
+@pytest.mark.parametrize("clamped", [False, True], ids=["plain", "clamped"])
 @pytest.mark.parametrize("name", ["uneven_fp32", "uneven_bf16", "ep_sentinels_fp32"])
-def test_grouped_mm_path_matches_reference(name, monkeypatch):
+def test_grouped_mm_path_matches_reference(name, clamped, monkeypatch):
     """The training path on sm90 (GEMMs, the SwiGLU and dSwiGLU passes); on CPU torch's grouped GEMM
-    fallback and the interpreter. h and the rows kept or recomputed: bitwise the same."""
+    fallback and the interpreter. h and the rows kept or recomputed: bitwise the same. Clamped: swiglu_limit's
+    clamps first, then the softcaps (the passes apply them in that order, as the reference)."""
     monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)
     T, k, E, H, I, dtype, mode = KERNEL_CASES[name]
     args = make_case(T, k, E, H, I, dtype, mode, seed=len(name))
+    limit = clear_limit(args, dtype) if clamped else None
+    gate = {"activation": SOFTCAPPED, "swiglu_limit": limit}
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     with poisoned_buffers(monkeypatch):
-        y, h, routing, xs, aw = grouped_mm_path.experts_forward(
-            *args, save_h=True, keep_rows=True, activation=SOFTCAPPED)
-        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, activation=SOFTCAPPED)
-        recomputed = grouped_mm_path.experts_backward(dy, *args, activation=SOFTCAPPED)
-    check([y], [ref64(args, dtype)], TOL[dtype], ["y"])
-    want = ref64(args, dtype, dy)
+        y, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True, **gate)
+        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, **gate)
+        recomputed = grouped_mm_path.experts_backward(dy, *args, **gate)
+    check([y], [ref64(args, dtype, limit=limit)], TOL[dtype], ["y"])
+    want = ref64(args, dtype, dy, limit=limit)
     check(kept, want, TOL[dtype], NAMES)
     for a, b in zip(kept, recomputed):
         assert torch.equal(a, b)
-    silu = ref64(args, dtype, dy, activation="silu")
-    assert rel_err(kept[2].cpu(), silu[2]) > 10 * TOL[dtype]  # the caps matter in this case
+    # the caps matter in this case (plain), and so do the clamps (clamped)
+    other = ref64(args, dtype, dy) if clamped else ref64(args, dtype, dy, activation="silu")
+    assert rel_err(kept[2].cpu(), other[2]) > 10 * TOL[dtype]
 
 
 def test_inkling2_experts_are_fused_with_their_caps(tmp_path):
@@ -207,7 +198,8 @@ def test_a_gate_that_only_looks_softcapped_is_left_alone(tmp_path, monkeypatch):
     """tanh(v / C) scaled by 2 C: no match, the reason names it, results unchanged; the probe refuses it too."""
     from transformers.models.inkling2 import modeling_inkling2 as mi
 
-    monkeypatch.setattr(mi.Inkling2Softcap, "forward", lambda self, v: torch.tanh(v / self.softcap) * (2 * self.softcap))
+    monkeypatch.setattr(mi.Inkling2Softcap, "forward",
+                        lambda self, v: torch.tanh(v / self.softcap) * (2 * self.softcap))
     model, eager, fused, reports = run("inkling2", tmp_path)
     assert not experts_entries(reports, "matches")
     reasons = [e["reason"] for e in experts_entries(reports, "rejected")]

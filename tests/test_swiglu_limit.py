@@ -34,15 +34,20 @@ ALPHA = 1.702  # GPT-OSS's and MiniMax-M3-VL's
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def naive_experts(x, ids, weights, w_gate_up, w_down, limit, alpha=None):
+def naive_experts(x, ids, weights, w_gate_up, w_down, limit, alpha=None, glu=None):
+    """Token by token, slot by slot; ``glu(gate, up)`` replaces the gated activation when given (the gate tests')."""
     rows = []
     for t in range(x.shape[0]):
         acc = torch.zeros_like(x[t])
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             gate, up = (w_gate_up[e] @ x[t]).chunk(2)
-            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-            act = F.silu(gate) * up if alpha is None else gate * torch.sigmoid(gate * alpha) * (up + 1)
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+            if glu is not None:
+                act = glu(gate, up)
+            else:
+                act = F.silu(gate) * up if alpha is None else gate * torch.sigmoid(gate * alpha) * (up + 1)
             acc = acc + weights[t, j] * (w_down[e] @ act)
         rows.append(acc)
     return torch.stack(rows)

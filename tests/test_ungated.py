@@ -84,7 +84,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="activation 'relu2' has no gate; swiglu_limit, glu_alpha, gate_up_bias and "
                                          "interleaved are gate options"):
         torch.ops.moe_fuse.experts(x, ids, weights, w_up, w_down, False, 1.0, None, "relu2")
-    with pytest.raises(ValueError, match=r"activation must be one of silu, gelu_tanh, relu2 or softcapped_silu.*, got 'relu'"):
+    with pytest.raises(ValueError, match=r"activation must be one of silu, gelu_tanh, relu2 or .*, got 'relu'"):
         torch.ops.moe_fuse.experts(x, ids, weights, w_up, w_down, False, None, None, "relu")
 
 
@@ -136,9 +136,9 @@ def test_dispatch_takes_the_grouped_mm_path_or_the_reference(monkeypatch):
     args = ungated(make_case(12, 2, 4, 16, 8, dtype, seed=5))
     dy = torch.randn(12, 16, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     if not grouped_mm_path.applies(args[0], args[3], args[4]):  # always so on the CPU
-        with pytest.raises(ValueError, match="experts without a gate and the softcapped SwiGLU run on grouped_mm_path only"):
+        with pytest.raises(ValueError, match="experts without a gate and .* run on grouped_mm_path only"):
             kernels.experts_forward(*args, activation="relu2")
-        with pytest.raises(ValueError, match="experts without a gate and the softcapped SwiGLU run on grouped_mm_path only"):
+        with pytest.raises(ValueError, match="experts without a gate and .* run on grouped_mm_path only"):
             kernels.experts_backward(dy, *args, activation="relu2")
         assert not kernels.supports(*args, gated=False)  # what the op asks: the reference computes them
     calls = []

@@ -298,8 +298,9 @@ def match(up_mm: fx.Node) -> Candidate:
 
 def _check_kernel_path(x, w_gate_up, w_down, stored_transposed: bool, activation: str, where):
     """Expert biases, interleaved gate/up rows, experts without a gate and the softcapped SwiGLU run fused only on
-    the kernels' grouped_mm path (CUDA sm90+, bf16); elsewhere on a GPU the op would run its reference, a Python loop over the
-    experts slower than the graph it replaces: no match there. (On the CPU the reference is what every op runs.)
+    the kernels' grouped_mm path (CUDA sm90+, bf16); elsewhere on a GPU the op would run its reference, a Python loop
+    over the experts slower than the graph it replaces: no match there. (On the CPU the reference is what every op
+    runs.)
     Asks ``grouped_mm_path.applies``, which reads only dtypes, devices and the weights' static layout (no guard on
     a symbolic token count)."""
     x_v, gu_v, d_v = (meta_value(n) for n in (x, w_gate_up, w_down))
