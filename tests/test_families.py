@@ -59,3 +59,16 @@ def test_plain_aot_eager_is_still_broken(name):
     compiled = torch.compile(model, backend="aot_eager")
     with pytest.raises(RuntimeError, match="view size is not compatible"):
         F.loss_and_grads(compiled, inputs)
+
+
+def test_what_is_left_alone_says_why(tmp_path):
+    """MuseSpark: a norm between each expert's down projection and its routing weight, and router logits scaled
+    before the sigmoid. Neither is fused; each rejection names the reason; eager's results."""
+    result = F.run_family("muse_spark", tmp_path)
+    assert not [m for m in result.matches if m["pattern"] in ("grouped_mm_experts", "sigmoid_topk_router")]
+    reasons = {r["pattern"]: r["reason"] for r in result.rejected}
+    assert reasons["grouped_mm_experts"].endswith(
+        "normalized before the routing weights (a norm after each expert, transformers' has_post_expert_norm): "
+        "not fused"), reasons
+    assert reasons["sigmoid_topk_router"].startswith("the router's logits are scaled (mul by 0.17677"), reasons
+    assert all(err < F.TOLERANCE for err in result.errors.values()), result.worst

@@ -244,6 +244,10 @@ def match(up_mm: fx.Node) -> Candidate:
 
     # [bias] -> weighted combine: ys * weights[perm] -> un-permute -> view(T, k, H).sum(1).
     biased_down, down_bias = _skip_bias(down_mm, sorted_ids, (E, H), "down")
+    if not any(is_op(u, "masked_fill", "mul") for u in biased_down.users) and \
+            any(is_op(u, "float", "to", "type_as", "pow") for u in biased_down.users):
+        raise NoMatch("each expert's output rows are normalized before the routing weights (a norm after each "
+                      "expert, transformers' has_post_expert_norm): not fused", biased_down)
     scale, mask2 = _skip_sentinel_mask(biased_down)
     expect(scale, "mul")
     w_col = [a for a in scale.args if isinstance(a, fx.Node) and is_op(a, "unsqueeze", "view", "reshape")]

@@ -91,6 +91,11 @@ def router_logits(logits: fx.Node):
     then an upcast) or "native" (a low-precision linear, no upcast).
     """
     linear = strip_fp32_upcast(logits)
+    scaled = [op_name(strip_fp32_upcast(a)) == "linear" for a in getattr(linear, "args", ())]
+    if op_name(linear) in ("mul", "truediv") and any(scaled):  # MuseSpark's output_multiplier
+        by = [a.name if isinstance(a, fx.Node) else a for a, lin in zip(linear.args, scaled) if not lin]
+        raise NoMatch(f"the router's logits are scaled ({op_name(linear)} by {', '.join(map(str, by))}) before "
+                      "the scoring: not fused", linear)
     expect(linear, "linear")
     upcast_after = linear is not logits
     x = strip_fp32_upcast(arg(linear, 0, "input"))
