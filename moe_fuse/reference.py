@@ -93,7 +93,7 @@ _WITHOUT_CONSTANTS = ("silu", "gelu_tanh", "relu2")
 # "softcapped_silu" carries its two constants in its name, ``softcapped(gate_cap, up_cap)``: Inkling 2's
 # SwiGLU, softcap(gate, Cg) * sigmoid(gate) * softcap(up, Cu) in fp32 with softcap(v, C) = C * tanh(v / C).
 # In the name, not in more op arguments: an activation is one argument of every op that computes one.
-_SOFTCAPPED = re.compile(r"softcapped_silu\((?P<gate>[^,()]+), (?P<up>[^,()]+)\)")
+_SOFTCAPPED = re.compile(r"softcapped_silu\(\s*(?P<gate>[^,()\s]+)\s*,\s*(?P<up>[^,()\s]+)\s*\)")
 # Activations of experts without a gate: a = act(up) (transformers' ``has_gate=False``). "relu2" is
 # transformers' ReLUSquaredActivation, relu(up)^2 (Nemotron-H).
 UNGATED = ("relu2",)
@@ -108,7 +108,8 @@ def softcapped(gate_cap: float, up_cap: float) -> str:
 
 
 def parse_activation(activation: str) -> tuple[str, tuple[float, ...]]:
-    """(name, constants) of an ``activation``: ("silu", ()), ..., ("softcapped_silu", (gate_cap, up_cap)).
+    """(name, constants) of an ``activation``: ("silu", ()), ..., ("softcapped_silu", (gate_cap, up_cap)) (spaces
+    inside the parentheses as one likes).
 
     Raises ValueError for a name that is not one of ``ACTIVATIONS``, or softcap constants that are not
     positive finite numbers."""

@@ -48,6 +48,7 @@ def test_the_activation_names_its_caps():
     assert reference.parse_activation(SOFTCAPPED) == ("softcapped_silu", CAPS)
     assert reference.parse_activation(reference.softcapped(1 / 3, 25)) == ("softcapped_silu", (1 / 3, 25.0))
     assert reference.softcaps("silu") is None and reference.gated(SOFTCAPPED)
+    assert reference.parse_activation("softcapped_silu( 4,25 )") == ("softcapped_silu", (4.0, 25.0))
 
 
 @pytest.mark.parametrize("limit", [None, LIMIT], ids=["plain", "clamped"])
@@ -69,8 +70,9 @@ def test_op_matches_softcapped_definition_and_its_autograd(save_h, limit):
 @pytest.mark.parametrize("bad, message", [
     ("softcapped_silu(0.0, 25.0)", "the softcaps must be positive finite numbers"),
     ("softcapped_silu(4.0, inf)", "the softcaps must be positive finite numbers"),
-    ("softcapped_silu(4.0,25.0)", r"activation must be one of silu, gelu_tanh, relu2 or softcapped_silu\(gate_cap, "
-                                  r"up_cap\) \(reference.softcapped\), got 'softcapped_silu\(4.0,25.0\)'"),
+    ("softcapped_silu(four, 25.0)", "the softcaps must be positive finite numbers"),
+    ("softcapped_silu(4.0; 25.0)", r"activation must be one of silu, gelu_tanh, relu2 or softcapped_silu\(gate_cap, "
+                                   r"up_cap\) \(reference.softcapped\), got 'softcapped_silu\(4.0; 25.0\)'"),
     ("softcapped_silu", "activation must be one of"),
     ("gelu", "activation must be one of .*, got 'gelu'"),
 ])
