@@ -88,8 +88,7 @@ def clamp_gate_up(gate, up, limit: float | None):
     return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
 
 
-ACTIVATIONS = ("silu", "gelu_tanh", "relu2", "softcapped_silu")
-_WITHOUT_CONSTANTS = ("silu", "gelu_tanh", "relu2")
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2")  # and ``softcapped(Cg, Cu)``, an activation with constants
 # "softcapped_silu" carries its two constants in its name, ``softcapped(gate_cap, up_cap)``: Inkling 2's
 # SwiGLU, softcap(gate, Cg) * sigmoid(gate) * softcap(up, Cu) in fp32 with softcap(v, C) = C * tanh(v / C).
 # In the name, not in more op arguments: an activation is one argument of every op that computes one.
@@ -111,9 +110,9 @@ def parse_activation(activation: str) -> tuple[str, tuple[float, ...]]:
     """(name, constants) of an ``activation``: ("silu", ()), ..., ("softcapped_silu", (gate_cap, up_cap)) (spaces
     inside the parentheses as one likes).
 
-    Raises ValueError for a name that is not one of ``ACTIVATIONS``, or softcap constants that are not
-    positive finite numbers."""
-    if activation in _WITHOUT_CONSTANTS:  # every op call asks: keep the common case cheap
+    Raises ValueError for a name that is none of ``ACTIVATIONS`` and no softcapped one, or softcap constants that
+    are not positive finite numbers."""
+    if activation in ACTIVATIONS:  # every op call asks: keep the common case cheap
         return activation, ()
     m = _SOFTCAPPED.fullmatch(activation) if isinstance(activation, str) else None
     if m is not None:
@@ -124,7 +123,7 @@ def parse_activation(activation: str) -> tuple[str, tuple[float, ...]]:
         if len(caps) == 2 and all(0 < c < math.inf for c in caps):
             return "softcapped_silu", caps
         raise ValueError(f"activation {activation!r}: the softcaps must be positive finite numbers")
-    raise ValueError(f"activation must be one of silu, gelu_tanh, relu2 or softcapped_silu(gate_cap, up_cap) "
+    raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)} or softcapped_silu(gate_cap, up_cap) "
                      f"(reference.softcapped), got {activation!r}")
 
 
