@@ -221,3 +221,27 @@ def test_eager_experts_implementation_passes_the_caps():
     assert gates == [(None, None, INKLING2)] * 2, gates
     assert_same_step(eager, fused)
 
+
+
+@pytest.mark.parametrize("name", ["uneven_fp32", "uneven_bf16"])
+def test_with_a_gate_up_bias_and_interleaved_rows(name, monkeypatch):
+    """The softcaps after the bias, on gate and up read as even and odd columns (the passes share those loads with
+    every gate): against the float64 reference, the bias gradient included."""
+    from test_expert_biases import NAMES as BIAS_NAMES, biases
+
+    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)
+    T, k, E, H, I, dtype, mode = KERNEL_CASES[name]
+    args = make_case(T, k, E, H, I, dtype, mode, seed=len(name))
+    gate = {"activation": SOFTCAPPED, "gate_up_bias": biases(E, 2 * I, H, dtype)[0].to(DEVICE), "interleaved": True}
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    with poisoned_buffers(monkeypatch):
+        y, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True, **gate)
+        grads = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, **gate)
+    cpu = [t.cpu().double() if t.is_floating_point() else t.cpu() for t in args]
+    ref_gate = {**gate, "gate_up_bias": gate["gate_up_bias"].cpu().double()}
+    check([y], [reference.experts_forward(*cpu, **ref_gate)], TOL[dtype], ["y"])
+    want = reference.experts_backward(dy.cpu().double(), *cpu, **ref_gate)
+    assert len(grads) == 5
+    check(grads, want, TOL[dtype], BIAS_NAMES)
+    concat = reference.experts_backward(dy.cpu().double(), *cpu, **{**ref_gate, "interleaved": False})
+    assert rel_err(grads[2].cpu(), concat[2]) > 10 * TOL[dtype]  # the column order matters in this case
