@@ -47,6 +47,7 @@ def _function_names():
         torch._C._nn.gelu: "gelu",  # = F.gelu
         torch.sigmoid: "sigmoid",
         torch.tanh: "tanh",
+        torch.rsqrt: "rsqrt",
         operator.add: "add",
         torch.empty_like: "empty_like",
         torch.arange: "arange",

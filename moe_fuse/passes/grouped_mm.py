@@ -244,8 +244,7 @@ def match(up_mm: fx.Node) -> Candidate:
 
     # [bias] -> weighted combine: ys * weights[perm] -> un-permute -> view(T, k, H).sum(1).
     biased_down, down_bias = _skip_bias(down_mm, sorted_ids, (E, H), "down")
-    if not any(is_op(u, "masked_fill", "mul") for u in biased_down.users) and \
-            any(is_op(u, "float", "to", "type_as", "pow") for u in biased_down.users):
+    if not any(is_op(u, "masked_fill", "mul") for u in biased_down.users) and _normalized(biased_down):
         raise NoMatch("each expert's output rows are normalized before the routing weights (a norm after each "
                       "expert, transformers' has_post_expert_norm): not fused", biased_down)
     scale, mask2 = _skip_sentinel_mask(biased_down)
@@ -298,6 +297,17 @@ def match(up_mm: fx.Node) -> Candidate:
                                         up_mm, notes, stored_transposed, interleaved)
     return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm, notes,
                              stored_transposed=stored_transposed)
+
+
+def _normalized(rows: fx.Node, hops: int = 10) -> bool:
+    """Whether an rsqrt reads ``rows`` within a few steps (casts, a scale, pow, mean, add): an RMS norm of each row
+    (MuseSpark's is eight steps from the down GEMM)."""
+    frontier = {rows}
+    for _ in range(hops):
+        frontier = {u for n in frontier for u in n.users}
+        if any(is_op(u, "rsqrt") for u in frontier):
+            return True
+    return False
 
 
 def _check_kernel_path(x, w_gate_up, w_down, stored_transposed: bool, activation: str, where):
