@@ -11,7 +11,7 @@ under mode="reduce-overhead"), moe_fuse_grouped_mm and moe_fuse_ragged (the row-
 torch._grouped_mm, or through kernels/ragged_gemm.py, at every size). Each is checked against eager on fresh random
 inputs before it is timed; an exception becomes an error row. Columns: bench/README.md.
 """
-import argparse, copy, json, math, os, platform, signal, statistics, sys, time, traceback, types
+import argparse, contextlib, copy, json, math, os, platform, signal, statistics, sys, time, traceback, types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,7 +203,7 @@ def run_gemms(block, T, dev, dtype, args, row_f, row_b):
         row_f["ms"], row_f["p20"], row_f["p80"] = bench(fwd, dev, args.quick, row=row_f)
         row_f["mem_mb"] = peak_mem_mb(fwd, dev)
     if row_b is None:
-        return
+        return None
     run, xs, a, w1, w2, counts = gemms_setup(block, T, dev, dtype, True)
     outs = run()
     gs = [torch.randn_like(o) for o in outs]
@@ -216,6 +216,7 @@ def run_gemms(block, T, dev, dtype, args, row_f, row_b):
     row_b["mem_mb"] = peak_mem_mb(step, dev, leaves)
     for p in leaves:
         p.grad = None
+    return step, leaves
 
 
 # ---------------------------------------------------------------- one variant, one case
@@ -239,12 +240,7 @@ def run_block_variant(name, block, T, dev, dtype, args, row_f, row_b):
         fwd = lambda: fn(x)
         row_f["ms"], row_f["p20"], row_f["p80"] = bench(fwd, dev, args.quick, row=row_f)
         row_f["mem_mb"] = peak_mem_mb(fwd, dev)
-    if row_b is not None:
-        run_block_backward(fn, compiled, block, rand, dev, args, row_b)
-    if name == "moe_fuse":  # last: explain() resets Dynamo
-        with torch.no_grad():
-            row_f["explain"] = try_explain(block, rand())
-        print("    " + row_f["explain"].splitlines()[0][:150])
+    return run_block_backward(fn, compiled, block, rand, dev, args, row_b) if row_b is not None else None
 
 
 def run_block_backward(fn, compiled, block, rand, dev, args, row_b):
@@ -278,6 +274,7 @@ def run_block_backward(fn, compiled, block, rand, dev, args, row_b):
     row_b["mem_mb"] = peak_mem_mb(step, dev, leaves)
     for p in leaves:
         p.grad = None
+    return step, leaves
 
 
 def try_explain(block, x):
@@ -296,6 +293,7 @@ def run_case(shape, T, dev, dtype, args, rows):
     modes = [("fwd", flops_f)] + ([("fwd+bwd", 3 * flops_f)] if args.backward else [])
     print(f"\n=== {shape} (H={H} I={I} E={E} k={k})  T={T}  {dtype} on {dev}")
     block = build_block(shape, dev, dtype)
+    steps = {}  # variant -> (its timed fwd+bwd step, the leaves whose grads it sets, its fwd+bwd row)
     for name in args.variants:
         by_mode = {m: dict(shape=shape, T=T, mode=m, variant=name, flops=f, status="ok") for m, f in modes}
         rf, rb = by_mode["fwd"], by_mode.get("fwd+bwd")
@@ -314,29 +312,13 @@ def run_case(shape, T, dev, dtype, args, rows):
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            if name == "grouped_gemms_only":
-                run_gemms(block, T, dev, dtype, args, rf, rb)
-            elif name in AB_SWITCHES:
-                from moe_fuse.kernels import grouped_mm_path
-
-                before = [(attr, getattr(grouped_mm_path, attr)) for attr, _ in AB_SWITCHES[name]]
-                for attr, value in AB_SWITCHES[name]:
-                    setattr(grouped_mm_path, attr, value)  # read at every call of the experts op
-                try:
-                    run_block_variant(name, block, T, dev, dtype, args, rf, rb)
-                finally:
-                    for attr, value in before:
-                        setattr(grouped_mm_path, attr, value)
-            elif name == "moe_fuse_triton":
-                from moe_fuse.kernels import grouped_mm_path
-
-                grouped_mm_path.ENABLED = False  # read at every call of the experts op, forward and backward
-                try:
-                    run_block_variant(name, block, T, dev, dtype, args, rf, rb)
-                finally:
-                    grouped_mm_path.ENABLED = True
-            else:
-                run_block_variant(name, block, T, dev, dtype, args, rf, rb)
+            with switches(name):
+                if name == "grouped_gemms_only":
+                    timed = run_gemms(block, T, dev, dtype, args, rf, rb)
+                else:
+                    timed = run_block_variant(name, block, T, dev, dtype, args, rf, rb)
+            if timed is not None:
+                steps[name] = (*timed, rb)
         except Exception as e:
             tb = traceback.format_exc()
             print("    " + tb[-1500:].replace("\n", "\n    "))  # the end of it; all of it in the JSON
@@ -352,7 +334,60 @@ def run_case(shape, T, dev, dtype, args, rows):
                 r["status"] = "FAIL"
             print(f"  {name:20s} {r['mode']:8s} {fmt_row_short(r)}")
         rows += case_rows
-    del block
+    if args.rounds > 1 and steps:
+        time_rounds(steps, dev, args)
+    row_f = next((r for r in rows if (r["shape"], r["T"], r["mode"], r["variant"]) == (shape, T, "fwd", "moe_fuse")
+                  and r["status"] == "ok"), None)
+    if row_f is not None:  # last: explain() resets Dynamo
+        with torch.no_grad():
+            row_f["explain"] = try_explain(block, torch.randn(1, T, H, device=dev, dtype=dtype))
+        print("    " + row_f["explain"].splitlines()[0][:150])
+    del block, steps
+
+
+@contextlib.contextmanager
+def switches(name):
+    """The module switches of an A/B variant (kernels.grouped_mm_path's, read at every call of the experts op),
+    set while it runs and restored after."""
+    from moe_fuse.kernels import grouped_mm_path
+
+    pairs = AB_SWITCHES.get(name, ()) + ((("ENABLED", False),) if name == "moe_fuse_triton" else ())
+    before = [(attr, getattr(grouped_mm_path, attr)) for attr, _ in pairs]
+    for attr, value in pairs:
+        setattr(grouped_mm_path, attr, value)
+    try:
+        yield
+    finally:
+        for attr, value in before:
+            setattr(grouped_mm_path, attr, value)
+
+
+def time_rounds(steps, dev, args):
+    """--rounds N: the fwd+bwd steps timed N - 1 more times, the variants in turn, each round starting one variant
+    later, so that none is always timed right after the same one (at its power limit the card's clock follows
+    what ran before). Each row's ms becomes the median of its N readings, p20 / p80 their lowest and highest;
+    rounds_ms keeps them all."""
+    names = list(steps)
+    for name in names:  # a variant compiled before a later one's Dynamo reset compiles again here, untimed
+        step, leaves, row = steps[name]
+        row["rounds_ms"] = [row["ms"]]
+        with switches(name):
+            step()
+        for t in leaves:
+            t.grad = None
+    sync(dev)
+    for r in range(1, args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step, leaves, row = steps[name]
+            with switches(name):
+                row["rounds_ms"].append(bench(step, dev, args.quick, grad_to_none=leaves)[0])
+            for t in leaves:
+                t.grad = None
+    for name in names:
+        row = steps[name][2]
+        ms = row["rounds_ms"]
+        row["ms"], row["p20"], row["p80"] = statistics.median(ms), min(ms), max(ms)
+        print(f"  {name:20s} fwd+bwd  rounds {' '.join(f'{v:.3f}' for v in ms)} ms: median {row['ms']:.3f}")
 
 
 def liger_version():
@@ -376,14 +411,16 @@ def fmt_row_short(r):
 
 
 def derive(rows, peak):
-    peer = {(r["shape"], r["T"], r["mode"]): r["ms"] for r in rows
+    peer = {(r["shape"], r["T"], r["mode"]): r for r in rows
             if r["variant"] == PEER and r.get("ms") and r["status"] != "error"}
     for r in rows:
         if r.get("ms"):
             r["tflops"] = r["flops"] / (r["ms"] * 1e-3) / 1e12
             r["pct_peak"] = 100 * r["tflops"] / peak["tflops"]
             p = peer.get((r["shape"], r["T"], r["mode"]))
-            r["vs_inductor"] = p / r["ms"] if p else None
+            r["vs_inductor"] = p["ms"] / r["ms"] if p else None
+            if p and len(p.get("rounds_ms", ())) == len(r.get("rounds_ms", ())) > 1:  # timed side by side
+                r["vs_inductor_rounds"] = [a / b for a, b in zip(p["rounds_ms"], r["rounds_ms"])]
 
 
 def print_table(rows, peak, meta):
@@ -406,6 +443,10 @@ def print_table(rows, peak, meta):
               f"{f(r.get('tflops'), '8.1f')} {f(r.get('pct_peak'), '6.1f')} {f(r.get('vs_inductor'), '6.2f')} "
               f"{f(r.get('mem_mb'), '8.0f')} {f(r.get('compile_s'), '7.1f')} {f(r.get('check_err'), '8.1e')} "
               f"{f(r.get('grad_err'), '8.1e')}")
+    for r in rows:
+        if r.get("vs_inductor_rounds") and r["variant"] != PEER:
+            print(f"{r['shape']} T={r['T']} {r['mode']} {r['variant']}: x_ind by round "
+                  + " ".join(f"{v:.3f}" for v in r["vs_inductor_rounds"]))
 
 
 def plot(rows, peak, out_dir):
@@ -447,9 +488,13 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--backward", action="store_true", help="also time forward+backward")
     ap.add_argument("--quick", action="store_true", help="one small case, short timing")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every variant's fwd+bwd this many times, in turn (median; default 1)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny fp32 config on the CPU (implies --backward)")
     args = ap.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     unknown = [v for v in args.variants if v not in VARIANTS + CUDAGRAPH_VARIANTS + AB_VARIANTS]
     if unknown:
         ap.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS + CUDAGRAPH_VARIANTS + AB_VARIANTS)}")

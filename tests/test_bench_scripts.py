@@ -1,4 +1,4 @@
-"""The family benchmarks' CPU smoke runs (bench/families_layer_bench.py, bench/llama4_layer_bench.py): tiny fp32
+"""The benchmarks' CPU smoke runs (bench/families_layer_bench.py, bench/llama4_layer_bench.py, bench/layer_bench.py): tiny fp32
 blocks through HF eager, Inductor and moe_fuse, the rewrite found, errors against the fp32 reference that routes as
 the block does, the results written. The GPU runs of the same scripts are the benchmarks themselves."""
 
@@ -123,3 +123,28 @@ def test_check_softcap_smoke(tmp_path):
     assert any("grouped_mm_experts" in line and "activation=softcapped_silu(4.0, 25.0)" in line
                for line in data["block"]["rewrites"]), data["block"]["rewrites"]
     assert data["block"]["worst_vs_eager"][1] < 1e-5, data["block"]
+
+
+def test_layer_bench_rounds(tmp_path):
+    """--rounds: each variant's fwd+bwd timed in turn that many times; ms is the median of the readings, and the
+    ratio to the peer is kept per round (the 1.3x bar of issue #6 is read from these on the H200)."""
+    out = _run("layer_bench.py", tmp_path, "--variants", "hf_inductor,moe_fuse", "--rounds", "3")
+    rows = json.loads((tmp_path / "layer_bench.json").read_text())["rows"]
+    by = {(r["variant"], r["mode"]): r for r in rows}
+    assert all(r["status"] == "ok" for r in rows), rows
+    for name in ("hf_inductor", "moe_fuse"):
+        r = by[name, "fwd+bwd"]
+        assert len(r["rounds_ms"]) == 3 and all(v > 0 for v in r["rounds_ms"])
+        assert r["ms"] == sorted(r["rounds_ms"])[1] and (r["p20"], r["p80"]) == (min(r["rounds_ms"]), max(r["rounds_ms"]))
+        assert "rounds_ms" not in by[name, "fwd"]
+    peer, ours = by["hf_inductor", "fwd+bwd"]["rounds_ms"], by["moe_fuse", "fwd+bwd"]
+    assert ours["vs_inductor_rounds"] == [a / b for a, b in zip(peer, ours["rounds_ms"])]
+    assert "tiny T=64 fwd+bwd moe_fuse: x_ind by round " in out
+    assert "rewrite(s)" in by["moe_fuse", "fwd"]["explain"]  # explain still runs, after the rounds
+
+
+def test_layer_bench_rounds_must_be_positive(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "layer_bench.py"), "--cpu-smoke", "--rounds", "0",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and "--rounds must be at least 1, got 0" in proc.stderr
