@@ -144,8 +144,10 @@ def run_family(family, args, dev, dtype, rows):
                     p.grad = None
                 memory_peak.record(run, snap)
                 with open(snap, "rb") as f:
-                    row["peak_sites"] = memory_peak.summary(pickle.load(f)["device_traces"][0], top=15)
-                print("\n".join(row["peak_sites"]), flush=True)
+                    trace = pickle.load(f)["device_traces"][0]
+                row["peak_sites"] = memory_peak.summary(trace, top=15)
+                row["peak_blocks"] = memory_peak.detail(trace, top=25)  # the generated code is on disk here only
+                print("\n".join(row["peak_sites"] + row["peak_blocks"]), flush=True)
             row["ms"] = bench(run, dev, quick=args.cpu_smoke, grad_to_none=params)[0]
         except Exception as e:  # an error row: the other backends and families still run
             row["error"] = f"{type(e).__name__}: {e}"[:600]

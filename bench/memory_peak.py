@@ -17,6 +17,7 @@ import argparse
 import pickle
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 FREES = ("free_requested", "free")
 
@@ -84,10 +85,48 @@ def summary(events, top=25):
     return lines
 
 
+def _frame(event):
+    for f in event.get("frames", []):
+        name = f.get("filename", "")
+        if "/torch/" not in name and not name.endswith("memory_peak.py"):
+            return f
+    return None
+
+
+def _source(path, line):
+    """(the line, the graph nodes Inductor names above it) of a generated file, where it is still on disk."""
+    try:
+        text = Path(path).read_text().splitlines()
+    except OSError:
+        return None, None
+    if not 0 < line <= len(text):
+        return None, None
+    nodes = next((t.strip() for t in reversed(text[max(0, line - 40):line]) if "Source Nodes" in t), None)
+    return text[line - 1].strip(), nodes
+
+
+def detail(events, top=12):
+    """Lines: the largest blocks live at the peak one by one, with the line that allocated each and, for Inductor's
+    generated code (read from disk: run this where the graphs were compiled), the graph nodes it names there."""
+    _, held = live_at_peak(events)
+    lines = []
+    for e in sorted(held, key=lambda e: -e["size"])[:top]:
+        lines.append(f"  {e['size'] / 2**20:9.1f} MiB  {where(e)}")
+        f = _frame(e)
+        if f is not None:
+            code, nodes = _source(f.get("filename", ""), f.get("line", 0))
+            if code:
+                lines.append(f"      {code[:200]}")
+            if nodes:
+                lines.append(f"      {nodes[:400]}")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("snapshots", nargs="+")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--blocks", type=int, default=0, help="also list this many of the largest live blocks one by one")
     args = ap.parse_args()
     for path in args.snapshots:
         with open(path, "rb") as f:
@@ -97,6 +136,8 @@ def main():
             sys.exit(f"{path}: no allocator trace in this snapshot")
         print(f"== {path}")
         print("\n".join(summary(traces[0], args.top)))
+        if args.blocks:
+            print("\n".join(detail(traces[0], args.blocks)))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from memory_peak import live_at_peak, summary  # noqa: E402
+from memory_peak import detail, live_at_peak, summary  # noqa: E402
 
 MiB = 2**20
 
@@ -38,3 +38,20 @@ def test_summary_groups_by_the_first_frame_outside_torch():
     assert lines[0] == "peak 7 MiB over the start, 3 blocks live"
     assert lines[1].split() == ["6.0", "MiB", "x2", "repo/a.py:5", "forward"]
     assert lines[2].split() == ["1.0", "MiB", "x1", "repo/b.py:7", "forward"]
+
+
+def test_detail_lists_blocks_with_the_generated_line_and_its_graph_nodes(tmp_path):
+    code = tmp_path / "cgen.py"  # the shape of an Inductor output file
+    code.write_text("def call(args):\n"
+                    "    # Topologically Sorted Source Nodes: [mm_3], Original ATen: [aten.mm]\n"
+                    "    buf7 = empty_strided_cuda((65536, 4096), (4096, 1), torch.bfloat16)\n"
+                    "    extern_kernels.mm(a, b, out=buf7)\n")
+    frames = [{"filename": "/x/site-packages/torch/cuda/alloc.py", "line": 9, "name": "empty"},
+              {"filename": str(code), "line": 3, "name": "call"}]
+    events = [{"action": "alloc", "addr": 1, "size": 512 * MiB, "frames": frames},
+              ev("alloc", 2, 2 * MiB, "gone.py", 4)]  # its file is not on disk: the site only
+    lines = detail(events)
+    assert lines[0].split() == ["512.0", "MiB", f"{tmp_path.name}/cgen.py:3", "call"]
+    assert lines[1].strip() == "buf7 = empty_strided_cuda((65536, 4096), (4096, 1), torch.bfloat16)"
+    assert lines[2].strip() == "# Topologically Sorted Source Nodes: [mm_3], Original ATen: [aten.mm]"
+    assert lines[3].split() == ["2.0", "MiB", "repo/gone.py:4", "forward"] and len(lines) == 4
