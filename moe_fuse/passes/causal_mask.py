@@ -13,6 +13,14 @@ parameter) and has static shapes is a constant; it is evaluated once here, and t
 happens only when it equals ``ones(L, S).tril()`` broadcast over batch and heads with L == S,
 which is exactly what ``is_causal=True`` means. Anything else (a user attention_mask, sliding
 windows, packed sequences, symbolic sizes) is left as it is, with the reason in the report.
+
+With a mask, transformers also repeats each key / value head for its group of query heads
+(``repeat_kv``) before SDPA: a copy of K and V at the query's head count, kept for the backward,
+whose gradient is then summed back. Once the mask is gone, a call whose key and value are such
+repeats reads the unrepeated ones with ``enable_gqa=True`` instead, which is eager's own call for
+an unmasked batch: the same attention (query head h reads key / value head h // n_rep in both),
+and flash attention takes the groups itself. On GLM-4.5-Air's 96 query and 8 key / value heads
+the repeats are 12 times K and V.
 """
 
 from __future__ import annotations
@@ -90,6 +98,80 @@ def _why_not_causal(mask, q, k) -> str | None:
     return None
 
 
+def _repeat_kv_source(node) -> tuple[fx.Node, int] | None:
+    """(x, n_rep) when ``node`` is transformers' ``repeat_kv(x, n_rep)``, n_rep > 1, read by nothing else:
+    ``x[:, :, None, :, :].expand(B, KVH, n_rep, S, D).reshape(B, KVH * n_rep, S, D)``; else None."""
+    if not is_op(node, "reshape") or not node.args:
+        return None
+    grown = node.args[0]
+    if not is_op(grown, "expand") or len(grown.users) != 1 or not grown.args:
+        return None
+    spread = grown.args[0]
+    if is_op(spread, "getitem") and len(spread.args) == 2:
+        full = slice(None)
+        if spread.args[1] != (full, full, None, full, full) or len(spread.users) != 1:
+            return None
+    elif is_op(spread, "unsqueeze") and len(spread.args) == 2:
+        if spread.args[1] != 2 or len(spread.users) != 1:
+            return None
+    else:
+        return None
+    x = spread.args[0]
+    shapes = [getattr(meta_value(n), "shape", None) for n in (x, grown, node)]
+    if any(s is None or any(not isinstance(d, int) for d in s) for s in shapes):
+        return None
+    (xs, gs, out) = (tuple(s) for s in shapes)
+    if len(xs) != 4 or len(gs) != 5:
+        return None
+    B, kvh, S, D = xs
+    n_rep = gs[2]
+    if gs != (B, kvh, n_rep, S, D) or out != (B, kvh * n_rep, S, D) or n_rep < 2:
+        return None
+    return x, n_rep
+
+
+def _fused_with_groups(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether SDPA here runs a fused kernel for a causal call with grouped heads of these kinds, asked of
+    torch's own choice on tiny tensors of the same device, dtype and head counts. Its math fallback (no
+    flash attention: an fp32 model, an old GPU, a large head) would build the whole attention matrix: there
+    the repeated heads stay."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return False
+    try:
+        tq = torch.zeros(1, q.shape[1], 16, q.shape[-1], dtype=q.dtype, device=q.device, requires_grad=q.requires_grad)
+        tk = torch.zeros(1, kv.shape[1], 16, kv.shape[-1], dtype=kv.dtype, device=kv.device)
+        return choose(tq, tk, tk, None, 0.0, True, enable_gqa=True) not in (_MATH, _NO_KERNEL)
+    except Exception:  # an unknown device or signature: leave the call as it is
+        return False
+
+
+_MATH, _NO_KERNEL = 0, -1  # torch.nn.attention.SDPBackend.MATH / ERROR
+
+
+def _read_groups(node: fx.Node) -> int | None:
+    """After the mask's rewrite: a call whose key and value are repeat_kv's reads them unrepeated, with
+    enable_gqa=True. Returns the group size, or None where the call stays as it is."""
+    if len(node.args) < 3 or "enable_gqa" in node.kwargs:
+        return None
+    k, v = node.args[1], node.args[2]
+    src = [_repeat_kv_source(k), _repeat_kv_source(v)]
+    if None in src or src[0][1] != src[1][1] or k is v:
+        return None
+    q, kv = meta_value(node.args[0]), meta_value(src[0][0])
+    if not (isinstance(q, torch.Tensor) and isinstance(kv, torch.Tensor)) or not _fused_with_groups(q, kv):
+        return None
+    node.update_arg(1, src[0][0])
+    node.update_arg(2, src[1][0])
+    node.update_kwarg("enable_gqa", True)
+    for repeated in (k, v):  # reshape <- expand <- x[:, :, None]: read by nothing else now
+        chain = [repeated, repeated.args[0], repeated.args[0].args[0]]
+        for n in chain:
+            if not n.users:
+                n.graph.erase_node(n)
+    return src[0][1]
+
+
 def rewrite_graph(graph: fx.Graph, report, where: str, outer: dict | None = None) -> bool:
     """Rewrite every provably plain-causal SDPA mask in ``graph``; returns whether anything changed.
 
@@ -122,7 +204,11 @@ def rewrite_graph(graph: fx.Graph, report, where: str, outer: dict | None = None
         node.update_kwarg("attn_mask", None)
         node.update_kwarg("is_causal", True)
         dropped.append(mask)
-        report.rewrite(PATTERN, where, node, {"query_length": q.shape[-2], "mask_shape": list(value.shape)})
+        info = {"query_length": q.shape[-2], "mask_shape": list(value.shape)}
+        groups = _read_groups(node)
+        if groups is not None:
+            info["gqa_group"] = groups
+        report.rewrite(PATTERN, where, node, info)
         changed = True
     # Erase the mask computations nobody reads any more, and nothing else: a graph-wide dead-code pass
     # would also drop unused results of in-place ops elsewhere (their mutation is the point).
