@@ -12,7 +12,7 @@ sizes are families_layer_bench.FAMILIES' (Llama 4's: ``OWN_SIZES``); attention a
 and no dense layers before the first MoE layer. Gradients against eager are reported as relative norms for both
 compiled backends (bf16 on all sides: routing of near-tied tokens differs between any two of them).
 """
-import argparse, json, os, pickle, shutil, sys, time
+import argparse, contextlib, importlib, json, os, pickle, shutil, sys, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,9 +57,11 @@ TINY = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64, inte
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, kv_lora_rank=16, qk_nope_head_dim=8,
             qk_rope_head_dim=8, v_head_dim=8)
 VOCAB = 32000
-# moe_fuse_no_mask: the attention-mask rewrite off; moe_fuse_lean: moe_fuse.keep_rows=False (less kept per layer)
-BACKENDS = ["eager", "inductor", "moe_fuse", "moe_fuse_no_mask", "moe_fuse_lean"]
+# moe_fuse_no_mask: the attention-mask rewrite off; moe_fuse_lean: moe_fuse.keep_rows=False (less kept per layer);
+# moe_fuse_repeat_kv: the mask rewritten but transformers' repeated key / value heads kept (causal_mask.GROUPED_HEADS)
+BACKENDS = ["eager", "inductor", "moe_fuse", "moe_fuse_no_mask", "moe_fuse_lean", "moe_fuse_repeat_kv"]
 OPTIONS = {"moe_fuse_no_mask": {"moe_fuse.causal_sdpa": False}, "moe_fuse_lean": {"moe_fuse.keep_rows": False}}
+SWITCHES = {"moe_fuse_repeat_kv": ("moe_fuse.passes.causal_mask", "GROUPED_HEADS", False)}  # set while it runs
 
 
 def build(family, layers, dev, dtype, tiny=False):
@@ -109,51 +111,75 @@ def run_family(family, args, dev, dtype, rows):
     want = None
     for backend in args.backends:
         row = {"family": family, "backend": backend, "layers": args.layers, "tokens": args.batch * args.seq}
-        try:
-            torch._dynamo.reset()
-            debug = Path(args.out) / "moe_fuse_debug" / f"{family}_{backend}"
-            shutil.rmtree(debug, ignore_errors=True)  # the rewrites counted are this run's
-            opts = None
-            if backend.startswith("moe_fuse"):
-                opts = {"moe_fuse.debug_dir": str(debug), **OPTIONS.get(backend, {})}
-            fn = model if backend == "eager" else torch.compile(
-                model, backend="inductor" if backend == "inductor" else "moe_fuse", options=opts)
-            run = step(fn, ids)
-            for p in params:
-                p.grad = None
-            t0 = time.perf_counter()
-            loss = run().detach().float().item()
-            row["first_step_s"] = time.perf_counter() - t0
-            grads = [p.grad for p in params]
-            row["loss"] = loss
-            if want is None:
-                want = (loss, [g.detach().clone() for g in grads])
-            else:
-                errs = {n: rel_err(g, w) for n, g, w in zip(names, grads, want[1])}
-                row["loss_rel_err"] = abs(loss - want[0]) / abs(want[0])
-                row["worst_grad"] = max(errs.items(), key=lambda kv: kv[1])
-            if backend.startswith("moe_fuse"):
-                reports = [json.loads(p.read_text()) for p in sorted(debug.glob("*/report.json"))]
-                row["rewrites"] = sorted(m["pattern"] for r in reports for m in r["matches"])
-                row["rejected"] = [(r_["pattern"], r_["reason"][:160]) for r in reports for r_ in r["rejected"]]
-            del grads
-            row["peak_mb"] = peak_mem_mb(run, dev, params)
-            if args.memory_snapshot and dev.type == "cuda":  # what holds the memory at the peak, by allocation site
-                snap = Path(args.out) / f"snapshot_{family}_{backend}.pickle"
-                for p in params:
-                    p.grad = None
-                memory_peak.record(run, snap)
-                with open(snap, "rb") as f:
-                    trace = pickle.load(f)["device_traces"][0]
-                row["peak_sites"] = memory_peak.summary(trace, top=15)
-                row["peak_blocks"] = memory_peak.detail(trace, top=25)  # the generated code is on disk here only
-                print("\n".join(row["peak_sites"] + row["peak_blocks"]), flush=True)
-            row["ms"] = bench(run, dev, quick=args.cpu_smoke, grad_to_none=params)[0]
-        except Exception as e:  # an error row: the other backends and families still run
-            row["error"] = f"{type(e).__name__}: {e}"[:600]
+        with switched(backend):
+            run_backend(backend, model, ids, params, names, family, args, dev, row, want)
+        if want is None and "loss" in row:
+            want = (row["loss"], row.pop("_grads"))
+        row.pop("_grads", None)
         rows.append(row)
         print(json.dumps(row, default=str), flush=True)
     torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def switched(backend):
+    if backend not in SWITCHES:
+        yield
+        return
+    module, attr, value = SWITCHES[backend]
+    module = importlib.import_module(module)
+    before = getattr(module, attr)
+    setattr(module, attr, value)
+    try:
+        yield
+    finally:
+        setattr(module, attr, before)
+
+
+def run_backend(backend, model, ids, params, names, family, args, dev, row, want):
+    """One backend's step on ``row``: loss and gradients against ``want`` (the first backend's), peak, time."""
+    try:
+        torch._dynamo.reset()
+        debug = Path(args.out) / "moe_fuse_debug" / f"{family}_{backend}"
+        shutil.rmtree(debug, ignore_errors=True)  # the rewrites counted are this run's
+        opts = None
+        if backend.startswith("moe_fuse"):
+            opts = {"moe_fuse.debug_dir": str(debug), **OPTIONS.get(backend, {})}
+        fn = model if backend == "eager" else torch.compile(
+            model, backend="inductor" if backend == "inductor" else "moe_fuse", options=opts)
+        run = step(fn, ids)
+        for p in params:
+            p.grad = None
+        t0 = time.perf_counter()
+        loss = run().detach().float().item()
+        row["first_step_s"] = time.perf_counter() - t0
+        grads = [p.grad for p in params]
+        row["loss"] = loss
+        if want is None:
+            row["_grads"] = [g.detach().clone() for g in grads]
+        else:
+            errs = {n: rel_err(g, w) for n, g, w in zip(names, grads, want[1])}
+            row["loss_rel_err"] = abs(loss - want[0]) / abs(want[0])
+            row["worst_grad"] = max(errs.items(), key=lambda kv: kv[1])
+        if backend.startswith("moe_fuse"):
+            reports = [json.loads(p.read_text()) for p in sorted(debug.glob("*/report.json"))]
+            row["rewrites"] = sorted(m["pattern"] for r in reports for m in r["matches"])
+            row["rejected"] = [(r_["pattern"], r_["reason"][:160]) for r in reports for r_ in r["rejected"]]
+        del grads
+        row["peak_mb"] = peak_mem_mb(run, dev, params)
+        if args.memory_snapshot and dev.type == "cuda":  # what holds the memory at the peak, by allocation site
+            snap = Path(args.out) / f"snapshot_{family}_{backend}.pickle"
+            for p in params:
+                p.grad = None
+            memory_peak.record(run, snap)
+            with open(snap, "rb") as f:
+                trace = pickle.load(f)["device_traces"][0]
+            row["peak_sites"] = memory_peak.summary(trace, top=15)
+            row["peak_blocks"] = memory_peak.detail(trace, top=25)  # the generated code is on disk here only
+            print("\n".join(row["peak_sites"] + row["peak_blocks"]), flush=True)
+        row["ms"] = bench(run, dev, quick=args.cpu_smoke, grad_to_none=params)[0]
+    except Exception as e:  # an error row: the other backends and families still run
+        row["error"] = f"{type(e).__name__}: {e}"[:600]
 
 
 def table(rows):

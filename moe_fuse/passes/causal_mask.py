@@ -31,6 +31,8 @@ import torch.fx as fx
 from .graph import is_op, meta_value
 
 PATTERN = "causal_sdpa_mask"
+# Off: the mask's rewrite keeps transformers' repeated key / value heads (A/B switch for the benchmarks).
+GROUPED_HEADS = True
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 
 
@@ -152,7 +154,7 @@ _MATH, _NO_KERNEL = 0, -1  # torch.nn.attention.SDPBackend.MATH / ERROR
 def _read_groups(node: fx.Node) -> int | None:
     """After the mask's rewrite: a call whose key and value are repeat_kv's reads them unrepeated, with
     enable_gqa=True. Returns the group size, or None where the call stays as it is."""
-    if len(node.args) < 3 or "enable_gqa" in node.kwargs:
+    if not GROUPED_HEADS or len(node.args) < 3 or "enable_gqa" in node.kwargs:
         return None
     k, v = node.args[1], node.args[2]
     src = [_repeat_kv_source(k), _repeat_kv_source(v)]
