@@ -26,7 +26,8 @@ OPTION_DOCS = {
     "moe_fuse.inner": f"what compiles the rewritten graph: one of {', '.join(INNER_BACKENDS)} (default inductor)",
     "moe_fuse.debug_dir": "folder for the dumps (default: $MOE_FUSE_DEBUG_DIR, else none)",
     "moe_fuse.verify": "prove each match on random probes before rewriting it (default True)",
-    "moe_fuse.causal_sdpa": "turn a constant plain-causal SDPA mask into is_causal=True (default True)",
+    "moe_fuse.causal_sdpa": "turn a constant plain-causal SDPA mask into is_causal=True, with grouped key / value heads "
+    "(default True)",
     "moe_fuse.keep_rows": "keep the expert-sorted rows of x and the weighted activation for the backward (default "
     "True; False: k*T*(H + I) fewer elements held per MoE layer, a slower backward)",
     "moe_fuse.ep_chunks": "expert parallelism: replace TorchTitan's all-to-all dispatch chain by the chunked, "
