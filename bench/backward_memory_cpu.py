@@ -9,7 +9,7 @@ shrink by 512). The peaks then scale by 512 exactly, and the table gives them at
 GPU figures. Variants:
 
 - hf_inductor: transformers' grouped_mm experts compiled by Inductor (the layer bench's peer);
-- moe_fuse: the experts op on grouped_mm_path, its backward as two ops (``ops.SPLIT_BACKWARD``);
+- moe_fuse: the experts op on grouped_mm_path, its backward as three ops (``ops.SPLIT_BACKWARD``);
 - moe_fuse_one_op: the same with the backward as one op;
 - moe_fuse_lean (on request): moe_fuse with ``moe_fuse.keep_rows=False``.
 

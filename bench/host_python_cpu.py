@@ -91,9 +91,11 @@ def main():
         "op router (T=16)": lambda: ops.router(xr, wr, k, True, bf),
         "op experts (save_h)": lambda: ops.experts(x, ids, weights, wgu, wd, True),
         "op experts_backward": lambda: ops.experts_backward(dy, x, ids, weights, wgu, wd, h, xs, routing, aw),
-        # the same backward as two ops (ops.SPLIT_BACKWARD, the compiled training path): their sum against the one op
+        # the same backward as three ops (ops.SPLIT_BACKWARD, the compiled training path): their sum against the one op
         "op experts_backward_down": lambda: ops.experts_backward_down(dy, x, ids, weights, wgu, wd, h, routing, aw),
-        "op experts_backward_gate_up": lambda: ops.experts_backward_gate_up(dh, x, ids, wgu, wd, xs, routing),
+        "op experts_backward_gate_up": lambda: ops.experts_backward_gate_up(dh, x, ids, wgu, wd, routing),
+        "op experts_backward_weight_gate_up": lambda: ops.experts_backward_weight_gate_up(dh, x, ids, wgu, wd, xs,
+                                                                                          routing),
         "op router_backward (T=16)": lambda: ops.router_backward(None, dr, xr, wr, lr, ir, True),
         "route": lambda: kernels.route(ids, E),
     }

@@ -101,7 +101,11 @@ def _source(path, line):
         return None, None
     if not 0 < line <= len(text):
         return None, None
-    nodes = next((t.strip() for t in reversed(text[max(0, line - 40):line]) if "Source Nodes" in t), None)
+    # Inductor writes a buffer's allocation first, then the comment naming the nodes of the kernel that fills it;
+    # a call that allocates its own outputs (an extern op) comes after its comment
+    after = text[line:line + 3] if "empty_strided" in text[line - 1] else []
+    nodes = next((t.strip() for t in after if "Source Nodes" in t), None) or next(
+        (t.strip() for t in reversed(text[max(0, line - 40):line]) if "Source Nodes" in t), None)
     return text[line - 1].strip(), nodes
 
 

@@ -3,9 +3,10 @@
 Each op has a fake implementation (for tracing) and a registered autograd
 formula whose backward is itself one opaque op, so AOTAutograd sees exactly
 one fused node forward and one backward per MoE block; on the grouped_mm path
-the experts' training backward is two (``experts_backward_down``, then
-``experts_backward_gate_up``), so the compiled backward frees the forward's h
-and aw between them.
+the experts' training backward is three (``experts_backward_down``, then
+``experts_backward_gate_up`` and ``experts_backward_weight_gate_up``), so the
+compiled backward frees the forward's h and aw after the first and can run
+dW_gate_up when less is live.
 
 Boundaries (the Triton kernels fill these in):
 - router:  x, W_router -> logits, routing weights, expert ids
@@ -342,26 +343,48 @@ def _(dy, x, ids, weights, w_gate_up, w_down, h, routing, aw, swiglu_limit=None,
 
 @_op
 def experts_backward_gate_up(
-    dh: Tensor, x: Tensor, ids: Tensor, w_gate_up: Tensor, w_down: Tensor, xs: Tensor, routing: Tensor,
+    dh: Tensor, x: Tensor, ids: Tensor, w_gate_up: Tensor, w_down: Tensor, routing: Tensor,
     gate_up_bias: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, d_w_gate_up, d_gate_up_bias): the rest of ``experts_backward`` from ``experts_backward_down``'s d_h, with
-    the forward's xs (empty: gathered again) and routing. d_gate_up_bias is empty without a gate_up_bias."""
+) -> tuple[Tensor, Tensor]:
+    """(dx, d_gate_up_bias): ``experts_backward``'s dx from ``experts_backward_down``'s d_h, with the forward's
+    routing. d_gate_up_bias is empty without a gate_up_bias."""
     from .kernels import grouped_mm_path
 
     _check_split("experts_backward_gate_up", x, ids, w_gate_up, w_down, dh)
-    dx, d_wgu, d_bias = grouped_mm_path.backward_gate_up(
+    dx, d_bias = grouped_mm_path.backward_gate_up(
         dh, x, ids.contiguous(), w_gate_up, kernels.routing_from_buffer(routing, ids.numel(), w_gate_up.shape[0]),
-        xs if xs.numel() else None, bias_dtype=None if gate_up_bias is None else gate_up_bias.dtype,
+        bias_dtype=None if gate_up_bias is None else gate_up_bias.dtype,
     )
     d_bias = w_gate_up.new_empty((0,)) if d_bias is None else d_bias.contiguous()
-    return dx.contiguous(), in_layout_of(d_wgu, w_gate_up), d_bias
+    return dx.contiguous(), d_bias
 
 
 @torch.library.register_fake("moe_fuse::experts_backward_gate_up")
-def _(dh, x, ids, w_gate_up, w_down, xs, routing, gate_up_bias=None):
+def _(dh, x, ids, w_gate_up, w_down, routing, gate_up_bias=None):
     d_bias = w_gate_up.new_empty(gate_up_bias.shape) if gate_up_bias is not None else w_gate_up.new_empty((0,))
-    return torch.empty_like(x, memory_format=torch.contiguous_format), weight_layout(w_gate_up), d_bias
+    return torch.empty_like(x, memory_format=torch.contiguous_format), d_bias
+
+
+@_op
+def experts_backward_weight_gate_up(
+    dh: Tensor, x: Tensor, ids: Tensor, w_gate_up: Tensor, w_down: Tensor, xs: Tensor, routing: Tensor,
+) -> Tensor:
+    """``experts_backward``'s d_w_gate_up from ``experts_backward_down``'s d_h and the forward's xs (empty:
+    gathered again) and routing. An op of its own: nothing else in the layer's backward reads its [E, 2I, H]
+    result, so the compiled backward may run it later, when less is live."""
+    from .kernels import grouped_mm_path
+
+    _check_split("experts_backward_weight_gate_up", x, ids, w_gate_up, w_down, dh)
+    d_wgu = grouped_mm_path.backward_weight_gate_up(
+        dh, x, ids.contiguous(), w_gate_up, kernels.routing_from_buffer(routing, ids.numel(), w_gate_up.shape[0]),
+        xs if xs.numel() else None,
+    )
+    return in_layout_of(d_wgu, w_gate_up)
+
+
+@torch.library.register_fake("moe_fuse::experts_backward_weight_gate_up")
+def _(dh, x, ids, w_gate_up, w_down, xs, routing):
+    return weight_layout(w_gate_up)
 
 
 def weight_layout(w: Tensor) -> Tensor:
@@ -405,9 +428,10 @@ def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, swiglu_limit=N
 
 
 _GATE_DEFAULTS = (None, None, "silu", None, False)  # swiglu_limit, glu_alpha, activation, gate_up_bias, interleaved
-# The training backward on grouped_mm_path as two ops (experts_backward_down, experts_backward_gate_up) instead of
-# one: between them the compiled backward frees the saved h and aw. Off: one op (bench A/B; read when the backward
-# is traced, and part of the compile cache key, backend.cache_tag).
+# The training backward on grouped_mm_path as three ops (experts_backward_down, experts_backward_gate_up,
+# experts_backward_weight_gate_up) instead of one: after the first the compiled backward frees the saved h and aw,
+# and it orders the third. Off: one op (bench A/B; read when the backward is traced, and part of the compile cache
+# key, backend.cache_tag).
 SPLIT_BACKWARD = True
 
 
@@ -426,13 +450,14 @@ def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing, _d_aw):
         dy = torch.zeros_like(x)
     bias = bias[0] if bias else None
     if SPLIT_BACKWARD and h.numel() and routing.numel() and kernels.uses_grouped_mm(x, ids, w_gate_up, w_down, dy):
-        # Two ops: the compiled backward frees h and aw, which only the first reads, before the second allocates
-        # its [S, H] GEMM output and dW_gate_up (the step's peak: bench/backward_memory_cpu.py).
+        # Three ops: the compiled backward frees h and aw, which only the first reads, before the second allocates
+        # its [S, H] GEMM output (the layer step's peak: bench/backward_memory_cpu.py); dW_gate_up, which nothing
+        # else reads, apart, so that Inductor's memory-aware ordering may run it after later layers' work.
         dh, d_weights, d_wd = torch.ops.moe_fuse.experts_backward_down(
             dy, x, ids, weights, w_gate_up, w_down, h, routing, aw, *ctx.gate, bias, ctx.interleaved
         )
-        dx, d_wgu, d_bias = torch.ops.moe_fuse.experts_backward_gate_up(dh, x, ids, w_gate_up, w_down, xs, routing,
-                                                                         bias)
+        dx, d_bias = torch.ops.moe_fuse.experts_backward_gate_up(dh, x, ids, w_gate_up, w_down, routing, bias)
+        d_wgu = torch.ops.moe_fuse.experts_backward_weight_gate_up(dh, x, ids, w_gate_up, w_down, xs, routing)
     else:
         dx, d_weights, d_wgu, d_wd, d_bias = torch.ops.moe_fuse.experts_backward(
             dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, *ctx.gate, bias, ctx.interleaved

@@ -1,6 +1,7 @@
-"""The experts op's training backward on grouped_mm_path as two ops, ``experts_backward_down`` (dy to d_h, dW_down)
-then ``experts_backward_gate_up`` (d_h to dx, dW_gate_up): the compiled backward drops the forward's h and aw, which
-only the first reads, before the second allocates. The gradients are the single op's bits."""
+"""The experts op's training backward on grouped_mm_path as three ops, ``experts_backward_down`` (dy to d_h, dW_down),
+``experts_backward_gate_up`` (d_h to dx) and ``experts_backward_weight_gate_up`` (d_h and xs to dW_gate_up): the
+compiled backward drops the forward's h and aw, which only the first reads, before the second allocates, and orders
+the third by memory. The gradients are the single op's bits."""
 
 import os
 
@@ -26,7 +27,7 @@ def _step(args, dy, keep_rows, monkeypatch, split, **gate):
     functions its backward ran."""
     calls = []
     with monkeypatch.context() as m:
-        for name in ("experts_backward", "backward_down", "backward_gate_up"):
+        for name in ("experts_backward", "backward_down", "backward_gate_up", "backward_weight_gate_up"):
             real = getattr(grouped_mm_path, name)
             m.setattr(grouped_mm_path, name,
                       lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
@@ -48,8 +49,8 @@ def test_two_ops_give_the_single_ops_gradients(keep_rows, on_grouped_mm_path, mo
     split, split_calls = _step(args, dy, keep_rows, monkeypatch, True)
     one, one_calls = _step(args, dy, keep_rows, monkeypatch, False)
     # the single op runs both halves through experts_backward; the split calls them as ops
-    assert split_calls == ["backward_down", "backward_gate_up"]
-    assert one_calls == ["experts_backward", "backward_down", "backward_gate_up"]
+    assert split_calls == ["backward_down", "backward_gate_up", "backward_weight_gate_up"]
+    assert one_calls == ["experts_backward", "backward_down", "backward_gate_up", "backward_weight_gate_up"]
     want = kernels.experts_backward(dy, *args)  # the kernels called directly, h, xs and aw recomputed
     for a, b, w in zip(split, one, want):
         assert torch.equal(a, b) and torch.equal(a, w)
@@ -70,7 +71,8 @@ def test_two_ops_with_the_other_gates(gate, on_grouped_mm_path, monkeypatch):  #
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(17)).to(DEVICE)
     split, split_calls = _step(args, dy, True, monkeypatch, True, **dict(kw))
     one, one_calls = _step(args, dy, True, monkeypatch, False, **dict(kw))
-    assert split_calls == ["backward_down", "backward_gate_up"] and one_calls[0] == "experts_backward"
+    assert split_calls == ["backward_down", "backward_gate_up", "backward_weight_gate_up"]
+    assert one_calls[0] == "experts_backward"
     assert len(split) == len(one) == (5 if gate == "bias_interleaved" else 4)
     for a, b in zip(split, one):
         assert torch.equal(a, b)
@@ -102,8 +104,11 @@ def test_opcheck(on_grouped_mm_path):  # noqa: F811
     opcheck(torch.ops.moe_fuse.experts_backward_down.default, down, test_utils=tests)
     dh = torch.ops.moe_fuse.experts_backward_down(*down)[0]
     assert dh.shape == h.shape
-    opcheck(torch.ops.moe_fuse.experts_backward_gate_up.default, (dh, x, ids, w_gate_up, w_down, xs, routing),
+    opcheck(torch.ops.moe_fuse.experts_backward_gate_up.default, (dh, x, ids, w_gate_up, w_down, routing),
             test_utils=tests)
+    for kept in (xs, xs[:0]):  # xs kept, or gathered again
+        opcheck(torch.ops.moe_fuse.experts_backward_weight_gate_up.default, (dh, x, ids, w_gate_up, w_down, kept,
+                                                                             routing), test_utils=tests)
 
 
 def test_the_halves_refuse_other_paths():
@@ -117,8 +122,10 @@ def test_the_halves_refuse_other_paths():
         torch.ops.moe_fuse.experts_backward_down(torch.randn(T, H).to(DEVICE), x, ids, weights, w_gate_up, w_down, h,
                                                  routing, torch.zeros(0, I).to(DEVICE))
     with pytest.raises(RuntimeError, match="moe_fuse.experts_backward_gate_up: a half"):
-        torch.ops.moe_fuse.experts_backward_gate_up(h, x, ids, w_gate_up, w_down, torch.zeros(0, H).to(DEVICE),
-                                                    routing)
+        torch.ops.moe_fuse.experts_backward_gate_up(h, x, ids, w_gate_up, w_down, routing)
+    with pytest.raises(RuntimeError, match="moe_fuse.experts_backward_weight_gate_up: a half"):
+        torch.ops.moe_fuse.experts_backward_weight_gate_up(h, x, ids, w_gate_up, w_down, torch.zeros(0, H).to(DEVICE),
+                                                           routing)
 
 
 def test_the_switch_is_in_the_compile_cache_key(monkeypatch):

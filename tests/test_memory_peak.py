@@ -43,15 +43,22 @@ def test_summary_groups_by_the_first_frame_outside_torch():
 def test_detail_lists_blocks_with_the_generated_line_and_its_graph_nodes(tmp_path):
     code = tmp_path / "cgen.py"  # the shape of an Inductor output file
     code.write_text("def call(args):\n"
-                    "    # Topologically Sorted Source Nodes: [mm_3], Original ATen: [aten.mm]\n"
+                    "    # Topologically Sorted Source Nodes: [mm_2], Original ATen: [aten.mm]\n"
+                    "    extern_kernels.mm(a, b, out=buf6)\n"
                     "    buf7 = empty_strided_cuda((65536, 4096), (4096, 1), torch.bfloat16)\n"
-                    "    extern_kernels.mm(a, b, out=buf7)\n")
-    frames = [{"filename": "/x/site-packages/torch/cuda/alloc.py", "line": 9, "name": "empty"},
-              {"filename": str(code), "line": 3, "name": "call"}]
-    events = [{"action": "alloc", "addr": 1, "size": 512 * MiB, "frames": frames},
+                    "    # Topologically Sorted Source Nodes: [mm_3], Original ATen: [aten.mm]\n"
+                    "    extern_kernels.mm(a, b, out=buf7)\n"
+                    "    # Topologically Sorted Source Nodes: [sdpa_backward], Original ATen: [aten.sdpa_backward]\n"
+                    "    buf8 = torch.ops.aten.sdpa_backward.default(buf7)\n")
+    frame = lambda line: [{"filename": "/x/site-packages/torch/cuda/alloc.py", "line": 9, "name": "empty"},
+                          {"filename": str(code), "line": line, "name": "call"}]
+    events = [{"action": "alloc", "addr": 1, "size": 512 * MiB, "frames": frame(4)},
+              {"action": "alloc", "addr": 3, "size": 64 * MiB, "frames": frame(8)},
               ev("alloc", 2, 2 * MiB, "gone.py", 4)]  # its file is not on disk: the site only
     lines = detail(events)
-    assert lines[0].split() == ["512.0", "MiB", f"{tmp_path.name}/cgen.py:3", "call"]
+    assert lines[0].split() == ["512.0", "MiB", f"{tmp_path.name}/cgen.py:4", "call"]
     assert lines[1].strip() == "buf7 = empty_strided_cuda((65536, 4096), (4096, 1), torch.bfloat16)"
-    assert lines[2].strip() == "# Topologically Sorted Source Nodes: [mm_3], Original ATen: [aten.mm]"
-    assert lines[3].split() == ["2.0", "MiB", "repo/gone.py:4", "forward"] and len(lines) == 4
+    assert lines[2].strip() == "# Topologically Sorted Source Nodes: [mm_3], Original ATen: [aten.mm]"  # the next
+    assert lines[3].split() == ["64.0", "MiB", f"{tmp_path.name}/cgen.py:8", "call"]
+    assert lines[5].strip().startswith("# Topologically Sorted Source Nodes: [sdpa_backward]")  # the one above
+    assert lines[6].split() == ["2.0", "MiB", "repo/gone.py:4", "forward"] and len(lines) == 7

@@ -279,8 +279,9 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
 
     h, routing, xs, aw: what the forward kept (``experts_forward(save_h=True, keep_rows=True)``), each
     None to recompute it (h: one more GEMM; routing: three small launches; xs: a gather; aw: written by
-    the dSwiGLU pass, from h). ``backward_down`` then ``backward_gate_up``: the op calls the two halves as two
-    ops where the forward kept h, so that the compiled backward frees h and aw between them.
+    the dSwiGLU pass, from h). ``backward_down``, ``backward_gate_up`` and ``backward_weight_gate_up``: the op
+    calls them as three ops where the forward kept h, so that the compiled backward frees h and aw after the
+    first and can run dW_gate_up when it pays.
     """
     T, k = ids.shape
     E = w_gate_up.shape[0]
@@ -299,8 +300,9 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
                                         glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias,
                                         interleaved=interleaved, tiles=tiles)
     del h  # frees it where recomputed here
-    dx, d_wgu, d_bias = backward_gate_up(dh, x, ids, w_gate_up, routing, xs, tiles=tiles,
-                                         bias_dtype=None if gate_up_bias is None else gate_up_bias.dtype)
+    dx, d_bias = backward_gate_up(dh, x, ids, w_gate_up, routing, tiles=tiles,
+                                  bias_dtype=None if gate_up_bias is None else gate_up_bias.dtype)
+    d_wgu = backward_weight_gate_up(dh, x, ids, w_gate_up, routing, xs)
     grads = dx, d_weights, d_wgu, d_wd
     return grads if d_bias is None else (*grads, d_bias)
 
@@ -360,10 +362,10 @@ def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swi
     return dh, d_weights.view(T, k), d_wd
 
 
-def backward_gate_up(dh, x, ids, w_gate_up, routing: Routing, xs=None, *, bias_dtype=None, tiles=BUILD):
-    """The backward's second half, from d_h: (dx, dW_gate_up, d_gate_up_bias in bias_dtype or None). xs: the
-    expert-sorted rows of x the forward kept, or None to gather them again (after the dx GEMM's output is freed).
-    tiles: as ``backward_down``'s."""
+def backward_gate_up(dh, x, ids, w_gate_up, routing: Routing, *, bias_dtype=None, tiles=BUILD):
+    """The backward's second half, from d_h: (dx, d_gate_up_bias in bias_dtype or None). tiles: as
+    ``backward_down``'s. dW_gate_up is ``backward_weight_gate_up``'s: apart, so that a compiled backward can run it
+    later (it reads d_h and xs, and nothing after it in the layer's backward reads its [E, 2I, H] result)."""
     T, k = ids.shape
     S, E = T * k, w_gate_up.shape[0]
     ends = routing.offsets[1:]
@@ -374,11 +376,16 @@ def backward_gate_up(dh, x, ids, w_gate_up, routing: Routing, xs=None, *, bias_d
     o = _row_gemm(dh, w_gate_up, tiles, ends, w_kmajor=False)  # [S, H]
     dx = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
     del o
+    d_bias = None if bias_dtype is None else expert_sums(dh, routing, bias_dtype)
+    return dx, d_bias
+
+
+def backward_weight_gate_up(dh, x, ids, w_gate_up, routing: Routing, xs=None):
+    """dW_gate_up from d_h and the expert-sorted rows of x the forward kept (xs), or gathered again (None)."""
+    T, k = ids.shape
     if xs is None:
         xs = expand_rows(x, routing.pos.view(T, k))
-    d_wgu = _wgrad(dh, xs, ends, transposed(w_gate_up))
-    d_bias = None if bias_dtype is None else expert_sums(dh, routing, bias_dtype)
-    return dx, d_wgu, d_bias
+    return _wgrad(dh, xs, routing.offsets[1:], transposed(w_gate_up))
 
 
 def _wgrad(p, q, ends, in_transposed: bool):
@@ -390,4 +397,4 @@ def _wgrad(p, q, ends, in_transposed: bool):
 
 
 __all__ = ["ENABLED", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU", "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies",
-           "backward_down", "backward_gate_up", "experts_backward", "experts_forward", "swiglu"]
+           "backward_down", "backward_gate_up", "backward_weight_gate_up", "experts_backward", "experts_forward", "swiglu"]
