@@ -19,7 +19,7 @@ With a mask, transformers also repeats each key / value head for its group of qu
 whose gradient is then summed back. Once the mask is gone, a call whose key and value are such
 repeats reads the unrepeated ones with ``enable_gqa=True`` instead, which is eager's own call for
 an unmasked batch: the same attention (query head h reads key / value head h // n_rep in both),
-and flash attention takes the groups itself. On GLM-4.5-Air's 96 query and 8 key / value heads
+and the fused kernel (flash or cuDNN attention on the GPU) takes the groups itself. On GLM-4.5-Air's 96 query and 8 key / value heads
 the repeats are 12 times K and V.
 """
 
@@ -101,8 +101,8 @@ def _why_not_causal(mask, q, k) -> str | None:
 
 
 def _repeat_kv_source(node) -> tuple[fx.Node, int] | None:
-    """(x, n_rep) when ``node`` is transformers' ``repeat_kv(x, n_rep)``, n_rep > 1, read by nothing else:
-    ``x[:, :, None, :, :].expand(B, KVH, n_rep, S, D).reshape(B, KVH * n_rep, S, D)``; else None."""
+    """(x, n_rep) when ``node`` is transformers' ``repeat_kv(x, n_rep)``, n_rep > 1, whose inner steps nothing else
+    reads: ``x[:, :, None, :, :].expand(B, KVH, n_rep, S, D).reshape(B, KVH * n_rep, S, D)``; else None."""
     if not is_op(node, "reshape") or not node.args:
         return None
     grown = node.args[0]
