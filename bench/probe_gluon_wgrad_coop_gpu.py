@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Probe: the K-ragged weight gradient with both consumers on one 256 x 128 tile, so a gathered stage feeds
+twice the MMAs, and the epilogue through shared memory and a TMA store.
+
+    PYTHONPATH=. python3 bench/probe_gluon_wgrad_coop_gpu.py [--shape 30b] [--tokens 16384] [--seconds 2]
+    PYTHONPATH=. python3 bench/probe_gluon_wgrad_coop_gpu.py --compile      # CPU: compile for sm90, ptxas -v
+
+bench/probe_gluon_wgrad_gpu.py (ping-pong: two consumer warpgroups on alternate 128 x 128 tiles) ran dW_gate_up
+at 30B T=16384 in 1.55 ms with both operands through TMA (CUTLASS 1.46), and 2.19 ms with Q's rows gathered by
+a 4-warp cp.async loader: the loader's supply limited it (eighteenth session, bench/KERNELS_NOTES.md). Here the
+two consumers share each stage's gathered Q tile [64, 128], each multiplying its own 128 columns of P (two TMA
+boxes), so the gathered bytes per FLOP halve. Both consumers end a tile together, so the epilogue cannot
+overlap the other's K loop as in ping-pong; instead each writes its bf16 tile to a shared buffer and hands it to
+a TMA store, and waits for that store only before it reuses the buffer one tile later.
+
+Same layout as the ping-pong probe: each expert's rows padded to a multiple of 64 (``pad``), so no K step
+crosses two experts; the gathered variant reads Q = x (or dy) at src, -1 on padding rows (zeros).
+Prints the error against CUTLASS and bitwise equality, then at the power cap ms and NVML mJ per call of
+CUTLASS, expand + CUTLASS, this kernel on the padded copy (TMA) and gathered (cp.async).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from probe_gather_wgrad_gpu import SHAPES  # noqa: E402  (H, I, E, k)
+
+HALF, BN, BK = 128, 128, 64  # a tile: 2 x HALF of P's columns (one half per consumer) x BN of Q's
+STAGES = 3  # a stage: P 2 x 16 KB + Q 16 KB; with the two 32 KB epilogue buffers 208 KB of shared memory
+
+
+@gluon.jit
+def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr):
+    """Each stage: P's two halves by TMA; Q by TMA of the padded copy, or (GATHER) its rows gathered through
+    cp.async by this 4-warp partition, every thread arriving on the stage when its pieces land."""
+    (p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, offp_ptr, M, num_m, num_n, total, q_ptr, src_ptr,
+     stride_q, out_ptr) = p
+    BLOCK_K: gl.constexpr = p_desc.block_type.shape[0]
+    HALF_M: gl.constexpr = p_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = q_desc.block_type.shape[1]
+    gather: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte pieces, a row's in one warp
+    per_e = num_m * num_n
+    it = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        e = t // per_e
+        m0 = (t % per_e) // num_n * (2 * HALF_M)
+        n0 = (t % num_n) * BLOCK_N
+        lo = gl.load(offp_ptr + e)
+        hi = gl.load(offp_ptr + e + 1)
+        for r0 in range(lo, hi, BLOCK_K):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            if GATHER:
+                mbarrier.expect(ready.index(s), 2 * p_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(ready.index(s), 2 * p_desc.block_type.nbytes + q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(p_desc, [r0, m0], ready.index(s), a_bufs.index(2 * s))
+            tma.async_copy_global_to_shared(p_desc, [r0, m0 + HALF_M], ready.index(s), a_bufs.index(2 * s + 1))
+            if GATHER:
+                rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, gather))
+                src = gl.load(src_ptr + r0 + rk)  # padded rows: in bounds, -1 on padding
+                cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gather))
+                ptrs = q_ptr + src.to(gl.int64)[:, None] * stride_q + cols[None, :]
+                mask = (src >= 0)[:, None] & (cols < stride_q)[None, :]
+                async_copy.async_copy_global_to_shared(b_bufs.index(s), ptrs, mask=mask)
+                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            else:
+                tma.async_copy_global_to_shared(q_desc, [r0, n0], ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr, c: gl.constexpr):
+    """Consumer c: columns [c * HALF, (c + 1) * HALF) of every tile's 2 * HALF."""
+    (p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, offp_ptr, M, num_m, num_n, total, q_ptr, src_ptr,
+     stride_q, out_ptr) = p
+    BLOCK_K: gl.constexpr = p_desc.block_type.shape[0]
+    HALF_M: gl.constexpr = p_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = q_desc.block_type.shape[1]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    per_e = num_m * num_n
+    it = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        e = t // per_e
+        m0 = (t % per_e) // num_n * (2 * HALF_M) + c * HALF_M
+        n0 = (t % num_n) * BLOCK_N
+        lo = gl.load(offp_ptr + e)
+        hi = gl.load(offp_ptr + e + 1)
+        n_k = (hi - lo) // BLOCK_K
+        acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=layout)
+        for kk in range(n_k):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            if GATHER:  # cp.async wrote the stage through the generic proxy; wgmma reads through the async one
+                fence_async_shared()
+            acc = warpgroup_mma(a_bufs.index(2 * s + c).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=n_k > 0)
+        if EPI_TMA:
+            tma.store_wait(0)  # this buffer's store of the tile before has read it
+            gl.thread_barrier()
+            epi.index(c).store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            if m0 < M:  # the last tile's second half may lie past M (M a multiple of HALF only)
+                tma.async_copy_shared_to_global(out_desc, [e * M + m0, n0], epi.index(c))
+        else:  # straight from registers: the loader fills the next tile's stages meanwhile
+            rows = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+            gl.store(out_ptr + (e.to(gl.int64) * M + rows.to(gl.int64))[:, None] * stride_q + cols[None, :],
+                     acc.to(gl.bfloat16), mask=(rows < M)[:, None])
+    if EPI_TMA:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr):
+    _consume(p, STAGES, GATHER, EPI_TMA, 1)
+
+
+@gluon.jit
+def _wgrad_kernel(p_desc, q_desc, out_desc, offp_ptr, M, num_m, num_n, total, q_ptr, src_ptr, stride_q, out_ptr,
+                  STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(p_desc.dtype, [2 * STAGES] + p_desc.block_type.shape, p_desc.layout)
+    b_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    epi = gl.allocate_shared_memory(out_desc.dtype, [2 if EPI_TMA else 1] + out_desc.block_type.shape, out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1 + GATHER * 128)  # the TMA's arrival, and each gathering thread's
+        mbarrier.init(empty.index(s), count=2)  # both consumers
+    p = (p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, offp_ptr, M, num_m, num_n, total, q_ptr, src_ptr,
+         stride_q, out_ptr)
+    gl.warp_specialize([
+        (_consume, (p, STAGES, GATHER, EPI_TMA, 0)),
+        (_consume_second, (p, STAGES, GATHER, EPI_TMA)),
+        (_loader, (p, STAGES, GATHER, EPI_TMA)),
+    ], [4, 4], [200, 88] if GATHER else [232, 40])
+
+
+def _desc(t, block):
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+
+def gluon_wgrad_coop(p, q, offp, E, sms, src=None, epi_tma=True):
+    """out [E, M, N] = P_e^T Q_e over each expert's padded rows [offp[e], offp[e + 1]); src (int32, one per padded
+    row, -1 on padding): Q_e's rows are q[src] instead (gathered). M a multiple of 128. epi_tma: the epilogue
+    through shared memory and a TMA store, 3 stages; else stored from registers, 4 stages."""
+    M, N = p.shape[1], q.shape[1]
+    if M % HALF or N % BN:
+        raise ValueError(f"M={M} must be a multiple of {HALF} and N={N} of {BN}")
+    out = torch.empty(E, M, N, dtype=p.dtype, device=p.device)
+    num_m, num_n = -(-M // (2 * HALF)), N // BN
+    total = E * num_m * num_n
+    gather = src is not None
+    q_desc = _desc(p[:, :BN] if gather else q, [BK, BN])  # unused when gathering: any descriptor of the block's type
+    if q.stride(0) != N:
+        raise ValueError("Q must be contiguous (its row stride is also the output's)")
+    _wgrad_kernel[(min(sms, total),)](_desc(p, [BK, HALF]), q_desc, _desc(out.view(E * M, N), [HALF, BN]), offp, M,
+                                      num_m, num_n, total, q, src if gather else offp, N, out,
+                                      STAGES if epi_tma else STAGES + 1, gather, epi_tma, num_warps=4, maxnreg=168)
+    return out
+
+
+def compile_sm90(gather: bool, epi_tma: bool):
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    t = torch.empty(1024, 256, dtype=torch.bfloat16)
+    sig = {"p_desc": mangle_type(_desc(t, [BK, HALF])), "q_desc": mangle_type(_desc(t, [BK, BN])),
+           "out_desc": mangle_type(_desc(t, [HALF, BN])), "offp_ptr": "*i32", "M": "i32", "num_m": "i32",
+           "num_n": "i32", "total": "i32", "q_ptr": "*bf16", "src_ptr": "*i32", "stride_q": "i32", "out_ptr": "*bf16",
+           "STAGES": "constexpr", "GATHER": "constexpr", "EPI_TMA": "constexpr"}
+    names = list(sig)
+    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in ("offp_ptr", "M", "q_ptr", "src_ptr", "stride_q",
+                                                                  "out_ptr")}
+    constants = {"STAGES": STAGES if epi_tma else STAGES + 1, "GATHER": gather, "EPI_TMA": epi_tma}
+    k = triton.compile(GluonASTSource(_wgrad_kernel, sig, constants, attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+    with tempfile.TemporaryDirectory() as d:
+        open(d + "/k.ptx", "w").write(k.asm["ptx"])
+        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", d + "/k.ptx", "-o", d + "/k.cubin"],
+                             capture_output=True, text=True)
+    print(f"GATHER={gather} EPI_TMA={epi_tma}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}; "
+          f"TMA store {'cp.async.bulk.tensor.2d.global.shared' in k.asm['ptx']}\n{out.stdout}{out.stderr}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="30b")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--compile", action="store_true")
+    args = ap.parse_args()
+    if args.compile:
+        return [compile_sm90(g, t) for g in (False, True) for t in (True, False)]
+
+    from power import run_sustained
+    from probe_gather_wgrad_gpu import routed_inputs
+    from probe_gluon_wgrad_gpu import gluon_wgrad, pad
+
+    from moe_fuse.kernels.permute import expand_rows
+
+    H, I, E, k = SHAPES[args.shape]
+    T, S, dev = args.tokens, args.tokens * k, "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x, dy, dh, aw, routing = routed_inputs(H, I, E, k, T, dev)  # the other probes' inputs, the same draws
+    ends = routing.offsets[1:]
+    pos = routing.pos.view(T, k)
+    padded = (routing.counts.long() + BK - 1) // BK * BK
+    offp = torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
+    rows = int(offp[-1])
+    print(f"{torch.cuda.get_device_name()}; {args.shape} T={T}: S={S}, padded rows {rows} (+{rows / S - 1:.1%})",
+          flush=True)
+    xs, dys = expand_rows(x, pos), expand_rows(dy, pos)
+    src = pad(routing.token.view(S, 1) + 1, routing.offsets, offp, rows).view(-1).to(torch.int32) - 1
+    cases = {  # P, the sorted copy of Q, Q, CUTLASS, whether ours is its transpose
+        "dW_gate_up": (dh, xs, x, lambda: torch._grouped_mm(dh.t(), xs, offs=ends), False),
+        "dW_down": (aw, dys, dy, lambda: torch._grouped_mm(dys.t(), aw, offs=ends), True),
+    }
+    for name, (p, q, q_src, cutlass, transposed) in cases.items():
+        flop = 2 * S * p.shape[1] * q.shape[1]
+        pp, qp = pad(p, routing.offsets, offp, rows), pad(q, routing.offsets, offp, rows)
+        want = cutlass()
+        ours = {"ping-pong, padded": lambda: gluon_wgrad(pp, qp, offp, E, sms),
+                "ping-pong, gathered": lambda: gluon_wgrad(pp, q_src, offp, E, sms, src=src),
+                "coop 256, padded": lambda: gluon_wgrad_coop(pp, qp, offp, E, sms),
+                "coop 256, gathered": lambda: gluon_wgrad_coop(pp, q_src, offp, E, sms, src=src),
+                "coop 256, gathered, 4 st": lambda: gluon_wgrad_coop(pp, q_src, offp, E, sms, src=src, epi_tma=False)}
+        for label, run in ours.items():
+            got = run()
+            torch.cuda.synchronize()
+            got = got.transpose(1, 2) if transposed else got
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            print(f"  {name:10s} {label:22s} vs CUTLASS: rel err {err:.1e}, bitwise {torch.equal(got, want)}", flush=True)
+        for label, fn in {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(q_src, pos), cutlass()),
+                          **ours}.items():
+            ms, smp = run_sustained(fn, args.seconds, batch=20)
+            st, mj = smp.stats(), smp.mj_per_call
+            print(f"  {name:10s} {label:22s} {ms:.3f} ms/call, {'nan' if mj is None else f'{mj:.0f}'} mJ/call "
+                  f"({flop / ms / 1e9:.0f} TFLOP/s), {st.get('watts', float('nan')):.0f} W, "
+                  f"{st.get('sm_mhz', float('nan')):.0f} MHz, capped {st.get('capped', float('nan')):.0%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
