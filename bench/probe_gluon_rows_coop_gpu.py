@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Probe: the row-ragged gate_up GEMM with its A rows gathered (x[token]) on cooperative 128 x 256 tiles.
+
+    PYTHONPATH=. python3 bench/probe_gluon_rows_coop_gpu.py [--shape 30b] [--tokens 16384] [--seconds 2]
+    PYTHONPATH=. python3 bench/probe_gluon_rows_coop_gpu.py --compile      # CPU: compile for sm90, ptxas -v
+
+The other half of dropping the sorted copy xs (bench/KERNELS_NOTES.md, "the step's bytes read off the
+counters"): besides dW_gate_up (bench/probe_gluon_wgrad_coop_gpu.py), the forward's gate_up GEMM reads xs, and
+would have to gather x's rows itself. With Triton's pointer loads that was 5-8% slower (fourteenth session).
+Here, in Gluon: a 4-warp loader gathers the stage's A tile [128 rows, 64] with cp.async (each thread 8 16-byte
+pieces, arriving on the stage's barrier when they land) and issues the TMA loads of the weight tile's two halves
+([128, 64] each); the two consumer warpgroups share the gathered A and each multiplies its own 128 output columns,
+so the gathered bytes per FLOP are half those of a 128 x 128 tile. Epilogue from registers (32 K steps a tile at
+H = 2048, so it weighs little).
+
+Layout: each expert's rows padded to a multiple of 128 (``pad``), so a tile never crosses two experts and its
+weight is W[tile's expert]; padding rows gather index -1 (zeros) and are dropped from the comparison. The
+padded TMA variant reads the padded sorted copy instead (the loader's other half only). Prints the error
+against CUTLASS on the sorted copy and bitwise equality, then at the power cap ms and NVML mJ per call of
+CUTLASS, expand + CUTLASS, and both variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from probe_gather_wgrad_gpu import SHAPES  # noqa: E402  (H, I, E, k)
+
+BM, HALF_N, BK = 128, 128, 64  # a tile: BM rows x 2 x HALF_N columns (one half per consumer)
+STAGES = 4  # a stage: A 16 KB + B 2 x 16 KB
+
+
+@gluon.jit
+def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
+    """Each stage: the weight tile's two halves by TMA; A by TMA of the padded sorted copy, or (GATHER) its rows
+    x[src] gathered through cp.async by this 4-warp partition, every thread arriving when its pieces land."""
+    (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, total) = p
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    HALF: gl.constexpr = w_desc.block_type.shape[0]
+    gather: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte pieces, a row's in 8 threads
+    it = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        m_tile = t // num_n
+        r0 = m_tile * BLOCK_M
+        e = gl.load(tile_e_ptr + m_tile)
+        n0 = (t % num_n) * (2 * HALF)
+        if GATHER:
+            rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
+            src = gl.load(src_ptr + r0 + rm)  # -1 on padding rows
+            rows64 = src.to(gl.int64)[:, None] * K
+        for k0 in range(0, K, BLOCK_K):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            if GATHER:
+                mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [e * N + n0, k0], ready.index(s), b_bufs.index(2 * s))
+            tma.async_copy_global_to_shared(w_desc, [e * N + n0 + HALF, k0], ready.index(s), b_bufs.index(2 * s + 1))
+            if GATHER:
+                cols = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
+                mask = (src >= 0)[:, None] & (cols < K)[None, :]
+                async_copy.async_copy_global_to_shared(a_bufs.index(s), x_ptr + rows64 + cols[None, :], mask=mask)
+                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            else:
+                tma.async_copy_global_to_shared(a_desc, [r0, k0], ready.index(s), a_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, c: gl.constexpr):
+    """Consumer c: output columns [n0 + c * HALF, n0 + (c + 1) * HALF) of every tile."""
+    (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, total) = p
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    HALF: gl.constexpr = w_desc.block_type.shape[0]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, HALF, 16])
+    n_k = gl.cdiv(K, BLOCK_K)
+    it = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        r0 = (t // num_n) * BLOCK_M
+        n0 = (t % num_n) * (2 * HALF) + c * HALF
+        acc = gl.zeros((BLOCK_M, HALF), dtype=gl.float32, layout=layout)
+        for kk in range(n_k):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            if GATHER:  # cp.async wrote A through the generic proxy; wgmma reads through the async one
+                fence_async_shared()
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(2 * s + c).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        rows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        cols = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+        gl.store(out_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(gl.bfloat16),
+                 mask=(cols < N)[None, :])
+
+
+@gluon.jit
+def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
+    _consume(p, STAGES, GATHER, 1)
+
+
+@gluon.jit
+def _rows_kernel(a_desc, w_desc, tile_e_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, total,
+                 STAGES: gl.constexpr, GATHER: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1 + GATHER * 128)  # the TMA's arrival, and each gathering thread's
+        mbarrier.init(empty.index(s), count=2)  # both consumers
+    p = (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, total)
+    gl.warp_specialize([
+        (_consume, (p, STAGES, GATHER, 0)),
+        (_consume_second, (p, STAGES, GATHER)),
+        (_loader, (p, STAGES, GATHER)),
+    ], [4, 4], [200, 88] if GATHER else [232, 40])
+
+
+def _desc(t, block):
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+
+def gluon_rows_coop(a, w, tile_e, sms, src=None):
+    """out [rows, N] = A[r] @ W[tile_e[r // BM]]^T for the padded rows r (rows a multiple of BM); A = a, or with src
+    (int32 per padded row, -1 on padding) the gathered a[src]. w [E, N, K] contiguous, N a multiple of 256."""
+    E, N, K = w.shape
+    rows = tile_e.numel() * BM
+    if N % (2 * HALF_N) or K % BK:
+        raise ValueError(f"N={N} must be a multiple of {2 * HALF_N} and K={K} of {BK}")
+    out = torch.empty(rows, N, dtype=a.dtype, device=a.device)
+    num_n = N // (2 * HALF_N)
+    total = tile_e.numel() * num_n
+    gather = src is not None
+    a_desc = _desc(w.view(E * N, K) if gather else a, [BM, BK])  # unused when gathering: any of the block's type
+    _rows_kernel[(min(sms, total),)](a_desc, _desc(w.view(E * N, K), [HALF_N, BK]), tile_e, num_n, N, K, a,
+                                     src if gather else tile_e, out, total, STAGES, gather, num_warps=4, maxnreg=168)
+    return out
+
+
+def compile_sm90(gather: bool):
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    t = torch.empty(1024, 256, dtype=torch.bfloat16)
+    sig = {"a_desc": mangle_type(_desc(t, [BM, BK])), "w_desc": mangle_type(_desc(t, [HALF_N, BK])),
+           "tile_e_ptr": "*i32", "num_n": "i32", "N": "i32", "K": "i32", "x_ptr": "*bf16", "src_ptr": "*i32",
+           "out_ptr": "*bf16", "total": "i32", "STAGES": "constexpr", "GATHER": "constexpr"}
+    names = list(sig)
+    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in ("tile_e_ptr", "N", "K", "x_ptr", "src_ptr",
+                                                                  "out_ptr")}
+    k = triton.compile(GluonASTSource(_rows_kernel, sig, {"STAGES": STAGES, "GATHER": gather}, attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+    with tempfile.TemporaryDirectory() as d:
+        open(d + "/k.ptx", "w").write(k.asm["ptx"])
+        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", d + "/k.ptx", "-o", d + "/k.cubin"],
+                             capture_output=True, text=True)
+    print(f"GATHER={gather}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}\n"
+          f"{out.stdout}{out.stderr}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="30b")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--compile", action="store_true")
+    args = ap.parse_args()
+    if args.compile:
+        return [compile_sm90(g) for g in (False, True)]
+
+    from power import run_sustained
+    from probe_gather_wgrad_gpu import routed_inputs
+    from probe_gluon_wgrad_gpu import pad
+
+    from moe_fuse.kernels.permute import expand_rows
+
+    H, I, E, k = SHAPES[args.shape]
+    T, S, dev = args.tokens, args.tokens * k, "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x, _, _, _, routing = routed_inputs(H, I, E, k, T, dev)  # the other probes' inputs, the same draws
+    w = (torch.randn(E, 2 * I, H, device=dev, generator=torch.Generator(device=dev).manual_seed(1)) * H**-0.5).to(
+        torch.bfloat16)
+    ends = routing.offsets[1:]
+    pos = routing.pos.view(T, k)
+    padded = (routing.counts.long() + BM - 1) // BM * BM
+    offp = torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
+    rows = int(offp[-1])
+    tile_e = torch.repeat_interleave(torch.arange(E, device=dev), padded // BM).to(torch.int32)
+    print(f"{torch.cuda.get_device_name()}; {args.shape} T={T}: S={S}, padded rows {rows} (+{rows / S - 1:.1%})",
+          flush=True)
+    xs = expand_rows(x, pos)
+    src = pad(routing.token.view(S, 1) + 1, routing.offsets, offp, rows).view(-1).to(torch.int32) - 1
+    keep = pad(torch.ones(S, 1, device=dev), routing.offsets, offp, rows).view(-1).bool()  # the real rows, in order
+    xs_p = pad(xs, routing.offsets, offp, rows)
+    flop = 2 * S * 2 * I * H
+
+    def cutlass():
+        return torch._grouped_mm(xs, w.transpose(1, 2), offs=ends)
+
+    want = cutlass()[: int(routing.offsets[-1])]
+    ours = {"coop 128x256, padded": lambda: gluon_rows_coop(xs_p, w, tile_e, sms),
+            "coop 128x256, gathered": lambda: gluon_rows_coop(x, w, tile_e, sms, src=src)}
+    for label, run in ours.items():
+        got = run()
+        torch.cuda.synchronize()
+        got = got[keep]
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        print(f"  gate_up {label:24s} vs CUTLASS: rel err {err:.1e}, bitwise {torch.equal(got, want)}", flush=True)
+    for label, fn in {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(x, pos), cutlass()),
+                      **ours}.items():
+        ms, smp = run_sustained(fn, args.seconds, batch=20)
+        st, mj = smp.stats(), smp.mj_per_call
+        print(f"  gate_up {label:24s} {ms:.3f} ms/call, {'nan' if mj is None else f'{mj:.0f}'} mJ/call "
+              f"({flop / ms / 1e9:.0f} TFLOP/s of the routed rows), {st.get('watts', float('nan')):.0f} W, "
+              f"{st.get('sm_mhz', float('nan')):.0f} MHz, capped {st.get('capped', float('nan')):.0%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
