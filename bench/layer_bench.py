@@ -87,6 +87,29 @@ def bench(fn, dev, quick, grad_to_none=None, row=None):
     return statistics.median(ts), qs[1], qs[7]
 
 
+def host_ms(fn, dev, grad_to_none=(), n=10):
+    """Host ms per call of ``fn`` issued ``n`` times back to back, timed before the final synchronize: what the
+    host takes to enqueue one step. When it is about the step's ms, the step is host-bound (it follows the
+    machine's CPU, not the GPU). n stays small: a few hundred launches fit the device's queue, so the host never
+    waits on the GPU inside the loop."""
+    for _ in range(3):
+        fn()
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        for t in grad_to_none:
+            t.grad = None
+        fn()
+    ms = (time.perf_counter() - t0) * 1e3 / n
+    sync(dev)
+    return ms
+
+
+def host_bound(row) -> bool:
+    """Whether the host took at least 0.9x the step's ms to issue it: the reading then follows the CPU."""
+    return bool(row.get("host_ms")) and row["host_ms"] >= 0.9 * row["ms"]
+
+
 def peak_mem_mb(fn, dev, grad_to_none=()):
     """Peak device memory allocated during one call, over what was allocated before it."""
     if dev.type != "cuda":
@@ -213,6 +236,8 @@ def run_gemms(block, T, dev, dtype, args, row_f, row_b):
     leaves = [xs, a] + params
     step = lambda: torch.autograd.backward(list(run()), gs)
     row_b["ms"], row_b["p20"], row_b["p80"] = bench(step, dev, args.quick, grad_to_none=leaves, row=row_b)
+    if dev.type == "cuda":  # on the CPU enqueueing is the work itself
+        row_b["host_ms"] = host_ms(step, dev, leaves)
     row_b["mem_mb"] = peak_mem_mb(step, dev, leaves)
     for p in leaves:
         p.grad = None
@@ -371,6 +396,7 @@ def time_rounds(steps, dev, args):
     for name in names:  # a variant compiled before a later one's Dynamo reset compiles again here, untimed
         step, leaves, row = steps[name]
         row["rounds_ms"] = [row["ms"]]
+        row["rounds_host_ms"] = [row.get("host_ms")]
         with switches(name):
             step()
         for t in leaves:
@@ -381,13 +407,18 @@ def time_rounds(steps, dev, args):
             step, leaves, row = steps[name]
             with switches(name):
                 row["rounds_ms"].append(bench(step, dev, args.quick, grad_to_none=leaves)[0])
+                row["rounds_host_ms"].append(host_ms(step, dev, leaves) if dev.type == "cuda" else None)
             for t in leaves:
                 t.grad = None
     for name in names:
         row = steps[name][2]
         ms = row["rounds_ms"]
         row["ms"], row["p20"], row["p80"] = statistics.median(ms), min(ms), max(ms)
-        print(f"  {name:20s} fwd+bwd  rounds {' '.join(f'{v:.3f}' for v in ms)} ms: median {row['ms']:.3f}")
+        host = [h for h in row["rounds_host_ms"] if h is not None]
+        if host:  # the host's figure for the median reading's rounds: their median too
+            row["host_ms"] = statistics.median(host)
+        print(f"  {name:20s} fwd+bwd  rounds {' '.join(f'{v:.3f}' for v in ms)} ms: median {row['ms']:.3f}"
+              + (f"; host {' '.join(f'{v:.3f}' for v in host)} ms a step issued" if host else ""))
 
 
 def liger_version():
@@ -404,6 +435,7 @@ def fmt_row_short(r):
     e = lambda v: "-" if v is None else f"{v:.1e}"
     s = f"{r['status']:4s} {r['ms']:9.3f} ms  err {e(r.get('check_err'))}  grad err {e(r.get('grad_err'))}"
     s += f"  compile {r['compile_s']:.1f}s" if r.get("compile_s") else ""
+    s += f"  host {r['host_ms']:.3f} ms a step{' (host-bound)' if host_bound(r) else ''}" if r.get("host_ms") else ""
     if r.get("power"):  # the card at its power limit runs slower clocks: read the figure with this
         p = r["power"]
         s += f"  [{p['sm_mhz']:.0f} MHz, {p['watts']:.0f} W, power cap {p['capped']:.0%}]"
@@ -447,6 +479,10 @@ def print_table(rows, peak, meta):
         if r.get("vs_inductor_rounds") and r["variant"] != PEER:
             print(f"{r['shape']} T={r['T']} {r['mode']} {r['variant']}: x_ind by round "
                   + " ".join(f"{v:.3f}" for v in r["vs_inductor_rounds"]))
+    for r in rows:
+        if host_bound(r):
+            print(f"{r['shape']} T={r['T']} {r['mode']} {r['variant']}: host-bound, {r['host_ms']:.3f} ms of host "
+                  f"work a step issued back to back against {r['ms']:.3f} ms a step: this reading follows the CPU")
 
 
 def plot(rows, peak, out_dir):

@@ -148,3 +148,29 @@ def test_layer_bench_rounds_must_be_positive(tmp_path):
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 2 and "--rounds must be at least 1, got 0" in proc.stderr
+
+
+def test_layer_bench_host_ms():
+    """host_ms: the host's time to issue one step, steps issued back to back with the leaves' gradients reset
+    before each; host_bound flags a reading whose step took the host at least 0.9x its ms (the T=4096 case)."""
+    import time
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import layer_bench
+
+    leaf = torch.zeros(1, requires_grad=True)
+    grads_seen = []
+
+    def step():
+        grads_seen.append(leaf.grad)
+        leaf.grad = torch.ones(1)
+        time.sleep(0.004)
+
+    ms = layer_bench.host_ms(step, torch.device("cpu"), [leaf], n=5)
+    assert 4.0 <= ms < 40.0, ms
+    assert len(grads_seen) == 3 + 5 and grads_seen[3:] == [None] * 5  # three untimed calls, then reset each time
+    assert layer_bench.host_bound({"ms": 2.0, "host_ms": 1.9})
+    assert not layer_bench.host_bound({"ms": 2.0, "host_ms": 1.0})
+    assert not layer_bench.host_bound({"ms": 2.0})  # not measured (the CPU runs)
