@@ -13,9 +13,9 @@ pieces, arriving on the stage's barrier when they land) and issues the TMA loads
 so the gathered bytes per FLOP are half those of a 128 x 128 tile. Epilogue from registers (32 K steps a tile at
 H = 2048, so it weighs little).
 
-Layout: each expert's rows padded to a multiple of 128 (``pad``), so a tile never crosses two experts and its
-weight is W[tile's expert]; padding rows gather index -1 (zeros) and are dropped from the comparison. The
-padded TMA variant reads the padded sorted copy instead (the loader's other half only). Prints the error
+Tiles: 128 rows of one expert each (``tiles_of``: expert, first row, end row). The gathered variant runs on the
+unpadded sorted layout moe_fuse writes (rows past a tile's end gathered as zeros, not stored); the TMA variant
+reads a copy with each expert's rows padded to whole tiles (``pad``), its padding rows dropped before comparing. Prints the error
 against CUTLASS on the sorted copy and bitwise equality, then at the power cap ms and NVML mJ per call of
 CUTLASS, expand + CUTLASS, and both variants.
 """
@@ -47,7 +47,8 @@ STAGES = 4  # a stage: A 16 KB + B 2 x 16 KB
 def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
     """Each stage: the weight tile's two halves by TMA; A by TMA of the padded sorted copy, or (GATHER) its rows
     x[src] gathered through cp.async by this 4-warp partition, every thread arriving when its pieces land."""
-    (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, total) = p
+    (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr,
+     total) = p
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     HALF: gl.constexpr = w_desc.block_type.shape[0]
@@ -55,12 +56,13 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
         m_tile = t // num_n
-        r0 = m_tile * BLOCK_M
-        e = gl.load(tile_e_ptr + m_tile)
+        e = gl.load(tiles_ptr + m_tile)
+        r0 = gl.load(tiles_ptr + num_m + m_tile)
+        r1 = gl.load(tiles_ptr + 2 * num_m + m_tile)
         n0 = (t % num_n) * (2 * HALF)
         if GATHER:
             rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
-            src = gl.load(src_ptr + r0 + rm)  # -1 on padding rows
+            src = gl.load(src_ptr + r0 + rm, mask=r0 + rm < r1, other=-1)  # -1: a zero row (past the expert)
             rows64 = src.to(gl.int64)[:, None] * K
         for k0 in range(0, K, BLOCK_K):
             s = it % STAGES
@@ -84,7 +86,8 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
 @gluon.jit
 def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, c: gl.constexpr):
     """Consumer c: output columns [n0 + c * HALF, n0 + (c + 1) * HALF) of every tile."""
-    (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, total) = p
+    (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr,
+     total) = p
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     HALF: gl.constexpr = w_desc.block_type.shape[0]
@@ -93,7 +96,8 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, c: gl.constexpr):
     n_k = gl.cdiv(K, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        r0 = (t // num_n) * BLOCK_M
+        r0 = gl.load(tiles_ptr + num_m + t // num_n)
+        r1 = gl.load(tiles_ptr + 2 * num_m + t // num_n)
         n0 = (t % num_n) * (2 * HALF) + c * HALF
         acc = gl.zeros((BLOCK_M, HALF), dtype=gl.float32, layout=layout)
         for kk in range(n_k):
@@ -110,7 +114,7 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, c: gl.constexpr):
         rows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         cols = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
         gl.store(out_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(gl.bfloat16),
-                 mask=(cols < N)[None, :])
+                 mask=(rows < r1)[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
@@ -119,7 +123,7 @@ def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
 
 
 @gluon.jit
-def _rows_kernel(a_desc, w_desc, tile_e_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, total,
+def _rows_kernel(a_desc, w_desc, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr, total,
                  STAGES: gl.constexpr, GATHER: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -128,7 +132,7 @@ def _rows_kernel(a_desc, w_desc, tile_e_ptr, num_n, N, K, x_ptr, src_ptr, out_pt
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1 + GATHER * 128)  # the TMA's arrival, and each gathering thread's
         mbarrier.init(empty.index(s), count=2)  # both consumers
-    p = (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, total)
+    p = (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr, total)
     gl.warp_specialize([
         (_consume, (p, STAGES, GATHER, 0)),
         (_consume_second, (p, STAGES, GATHER)),
@@ -140,20 +144,33 @@ def _desc(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-def gluon_rows_coop(a, w, tile_e, sms, src=None):
-    """out [rows, N] = A[r] @ W[tile_e[r // BM]]^T for the padded rows r (rows a multiple of BM); A = a, or with src
-    (int32 per padded row, -1 on padding) the gathered a[src]. w [E, N, K] contiguous, N a multiple of 256."""
+def tiles_of(offsets, block_m=BM):
+    """[3, tiles] int32: each 128-row tile's expert, first row and end row over segments [offsets[e], offsets[e + 1])
+    (the last tile of an expert ends at its last row)."""
+    counts = (offsets[1:] - offsets[:-1]).long()
+    n = (counts + block_m - 1) // block_m
+    e = torch.repeat_interleave(torch.arange(counts.numel(), device=offsets.device), n)
+    first = torch.cumsum(n, 0) - n
+    j = torch.arange(int(n.sum()), device=offsets.device) - torch.repeat_interleave(first, n)
+    r0 = offsets[:-1].long()[e] + j * block_m
+    r1 = torch.minimum(r0 + block_m, offsets[1:].long()[e])
+    return torch.stack([e, r0, r1]).to(torch.int32).contiguous()
+
+
+def gluon_rows_coop(a, w, tiles, rows, sms, src=None):
+    """out [rows, N] = A[r] @ W[e]^T for the rows r of each tile (``tiles_of``); A = a (through TMA, so every tile
+    must be whole: rows padded per expert), or with src (int32 per row) the gathered a[src], masked past each
+    tile's end row: the unpadded sorted layout moe_fuse writes. w [E, N, K] contiguous, N a multiple of 256."""
     E, N, K = w.shape
-    rows = tile_e.numel() * BM
     if N % (2 * HALF_N) or K % BK:
         raise ValueError(f"N={N} must be a multiple of {2 * HALF_N} and K={K} of {BK}")
     out = torch.empty(rows, N, dtype=a.dtype, device=a.device)
-    num_n = N // (2 * HALF_N)
-    total = tile_e.numel() * num_n
+    num_m, num_n = tiles.shape[1], N // (2 * HALF_N)
+    total = num_m * num_n
     gather = src is not None
     a_desc = _desc(w.view(E * N, K) if gather else a, [BM, BK])  # unused when gathering: any of the block's type
-    _rows_kernel[(min(sms, total),)](a_desc, _desc(w.view(E * N, K), [HALF_N, BK]), tile_e, num_n, N, K, a,
-                                     src if gather else tile_e, out, total, STAGES, gather, num_warps=4, maxnreg=168)
+    _rows_kernel[(min(sms, total),)](a_desc, _desc(w.view(E * N, K), [HALF_N, BK]), tiles, num_m, num_n, N, K, a,
+                                     src if gather else tiles, out, total, STAGES, gather, num_warps=4, maxnreg=168)
     return out
 
 
@@ -169,10 +186,10 @@ def compile_sm90(gather: bool):
 
     t = torch.empty(1024, 256, dtype=torch.bfloat16)
     sig = {"a_desc": mangle_type(_desc(t, [BM, BK])), "w_desc": mangle_type(_desc(t, [HALF_N, BK])),
-           "tile_e_ptr": "*i32", "num_n": "i32", "N": "i32", "K": "i32", "x_ptr": "*bf16", "src_ptr": "*i32",
+           "tiles_ptr": "*i32", "num_m": "i32", "num_n": "i32", "N": "i32", "K": "i32", "x_ptr": "*bf16", "src_ptr": "*i32",
            "out_ptr": "*bf16", "total": "i32", "STAGES": "constexpr", "GATHER": "constexpr"}
     names = list(sig)
-    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in ("tile_e_ptr", "N", "K", "x_ptr", "src_ptr",
+    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in ("tiles_ptr", "N", "K", "x_ptr", "src_ptr",
                                                                   "out_ptr")}
     k = triton.compile(GluonASTSource(_rows_kernel, sig, {"STAGES": STAGES, "GATHER": gather}, attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
@@ -210,30 +227,29 @@ def main():
     pos = routing.pos.view(T, k)
     padded = (routing.counts.long() + BM - 1) // BM * BM
     offp = torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
-    rows = int(offp[-1])
-    tile_e = torch.repeat_interleave(torch.arange(E, device=dev), padded // BM).to(torch.int32)
-    print(f"{torch.cuda.get_device_name()}; {args.shape} T={T}: S={S}, padded rows {rows} (+{rows / S - 1:.1%})",
+    rows_p = int(offp[-1])
+    print(f"{torch.cuda.get_device_name()}; {args.shape} T={T}: S={S}, padded rows {rows_p} (+{rows_p / S - 1:.1%})",
           flush=True)
     xs = expand_rows(x, pos)
-    src = pad(routing.token.view(S, 1) + 1, routing.offsets, offp, rows).view(-1).to(torch.int32) - 1
-    keep = pad(torch.ones(S, 1, device=dev), routing.offsets, offp, rows).view(-1).bool()  # the real rows, in order
-    xs_p = pad(xs, routing.offsets, offp, rows)
+    xs_p = pad(xs, routing.offsets, offp, rows_p)  # the TMA variant's whole tiles
+    keep = pad(torch.ones(S, 1, device=dev), routing.offsets, offp, rows_p).view(-1).bool()  # its real rows
+    tiles_p, tiles = tiles_of(offp), tiles_of(routing.offsets)
     flop = 2 * S * 2 * I * H
 
     def cutlass():
         return torch._grouped_mm(xs, w.transpose(1, 2), offs=ends)
 
-    want = cutlass()[: int(routing.offsets[-1])]
-    ours = {"coop 128x256, padded": lambda: gluon_rows_coop(xs_p, w, tile_e, sms),
-            "coop 128x256, gathered": lambda: gluon_rows_coop(x, w, tile_e, sms, src=src)}
-    for label, run in ours.items():
-        got = run()
+    want = cutlass()
+    ours = {  # label: (the timed call, its output as CUTLASS's rows)
+        "coop 128x256, padded": (lambda: gluon_rows_coop(xs_p, w, tiles_p, rows_p, sms), lambda o: o[keep]),
+        "coop 128x256, gathered": (lambda: gluon_rows_coop(x, w, tiles, S, sms, src=routing.token), lambda o: o)}
+    for label, (run, as_sorted) in ours.items():
+        got = as_sorted(run())
         torch.cuda.synchronize()
-        got = got[keep]
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         print(f"  gate_up {label:24s} vs CUTLASS: rel err {err:.1e}, bitwise {torch.equal(got, want)}", flush=True)
     for label, fn in {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(x, pos), cutlass()),
-                      **ours}.items():
+                      **{label: run for label, (run, _) in ours.items()}}.items():
         ms, smp = run_sustained(fn, args.seconds, batch=20)
         st, mj = smp.stats(), smp.mj_per_call
         print(f"  gate_up {label:24s} {ms:.3f} ms/call, {'nan' if mj is None else f'{mj:.0f}'} mJ/call "

@@ -13,8 +13,9 @@ boxes), so the gathered bytes per FLOP halve. Both consumers end a tile together
 overlap the other's K loop as in ping-pong; instead each writes its bf16 tile to a shared buffer and hands it to
 a TMA store, and waits for that store only before it reuses the buffer one tile later.
 
-Same layout as the ping-pong probe: each expert's rows padded to a multiple of 64 (``pad``), so no K step
-crosses two experts; the gathered variant reads Q = x (or dy) at src, -1 on padding rows (zeros).
+The TMA variant needs the ping-pong probe's layout (each expert's rows padded to a multiple of 64, ``pad``, so no
+K step crosses two experts). The gathered variants need no padding: they run on the sorted tensors as moe_fuse
+writes them, Q = x (or dy) gathered at routing.token and masked to zeros past each expert's end.
 Prints the error against CUTLASS and bitwise equality, then at the power cap ms and NVML mJ per call of
 CUTLASS, expand + CUTLASS, this kernel on the padded copy (TMA) and gathered (cp.async).
 """
@@ -60,7 +61,7 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr
         n0 = (t % num_n) * BLOCK_N
         lo = gl.load(offp_ptr + e)
         hi = gl.load(offp_ptr + e + 1)
-        for r0 in range(lo, hi, BLOCK_K):
+        for r0 in range(lo, hi, BLOCK_K):  # the last step may run past hi: its gathered rows are zeros
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             if GATHER:
@@ -71,7 +72,7 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr
             tma.async_copy_global_to_shared(p_desc, [r0, m0 + HALF_M], ready.index(s), a_bufs.index(2 * s + 1))
             if GATHER:
                 rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, gather))
-                src = gl.load(src_ptr + r0 + rk)  # padded rows: in bounds, -1 on padding
+                src = gl.load(src_ptr + r0 + rk, mask=r0 + rk < hi, other=-1)  # -1: a zero row
                 cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gather))
                 ptrs = q_ptr + src.to(gl.int64)[:, None] * stride_q + cols[None, :]
                 mask = (src >= 0)[:, None] & (cols < stride_q)[None, :]
@@ -100,7 +101,7 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexp
         n0 = (t % num_n) * BLOCK_N
         lo = gl.load(offp_ptr + e)
         hi = gl.load(offp_ptr + e + 1)
-        n_k = (hi - lo) // BLOCK_K
+        n_k = gl.cdiv(hi - lo, BLOCK_K)
         acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=layout)
         for kk in range(n_k):
             s = it % STAGES
@@ -160,9 +161,12 @@ def _desc(t, block):
 
 
 def gluon_wgrad_coop(p, q, offp, E, sms, src=None, epi_tma=True):
-    """out [E, M, N] = P_e^T Q_e over each expert's padded rows [offp[e], offp[e + 1]); src (int32, one per padded
-    row, -1 on padding): Q_e's rows are q[src] instead (gathered). M a multiple of 128. epi_tma: the epilogue
-    through shared memory and a TMA store, 3 stages; else stored from registers, 4 stages."""
+    """out [E, M, N] = P_e^T Q_e over each expert's rows [offp[e], offp[e + 1]). Without src, Q comes through TMA
+    too, so each segment must start at a multiple of BK and hold whole BK steps (``pad``: zero rows). With src
+    (int32 per row of P, -1 for a zero row), Q_e's rows are q[src], gathered and masked at the segment's end, so
+    P can be the unpadded sorted tensor (what moe_fuse writes): the K step past an expert's end reads the next
+    expert's P rows and multiplies them by zeros. M a multiple of 128. epi_tma: the epilogue through shared memory
+    and a TMA store, 3 stages; else stored from registers, 4 stages."""
     M, N = p.shape[1], q.shape[1]
     if M % HALF or N % BN:
         raise ValueError(f"M={M} must be a multiple of {HALF} and N={N} of {BN}")
@@ -245,11 +249,12 @@ def main():
         flop = 2 * S * p.shape[1] * q.shape[1]
         pp, qp = pad(p, routing.offsets, offp, rows), pad(q, routing.offsets, offp, rows)
         want = cutlass()
+        offs, tok = routing.offsets, routing.token  # the unpadded sorted layout: P as moe_fuse writes it
         ours = {"ping-pong, padded": lambda: gluon_wgrad(pp, qp, offp, E, sms),
                 "ping-pong, gathered": lambda: gluon_wgrad(pp, q_src, offp, E, sms, src=src),
                 "coop 256, padded": lambda: gluon_wgrad_coop(pp, qp, offp, E, sms),
-                "coop 256, gathered": lambda: gluon_wgrad_coop(pp, q_src, offp, E, sms, src=src),
-                "coop 256, gathered, 4 st": lambda: gluon_wgrad_coop(pp, q_src, offp, E, sms, src=src, epi_tma=False)}
+                "coop 256, gathered": lambda: gluon_wgrad_coop(p, q_src, offs, E, sms, src=tok),
+                "coop 256, gathered, 4 st": lambda: gluon_wgrad_coop(p, q_src, offs, E, sms, src=tok, epi_tma=False)}
         for label, run in ours.items():
             got = run()
             torch.cuda.synchronize()
