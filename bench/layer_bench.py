@@ -105,6 +105,14 @@ def host_ms(fn, dev, grad_to_none=(), n=10):
     return ms
 
 
+def time_fwd_bwd(step, dev, args, leaves, row):
+    """A fwd+bwd row's figures: ms (p20, p80), on CUDA the host's time to issue the step, and the step's peak."""
+    row["ms"], row["p20"], row["p80"] = bench(step, dev, args.quick, grad_to_none=leaves, row=row)
+    if dev.type == "cuda":  # on the CPU enqueueing is the work itself
+        row["host_ms"] = host_ms(step, dev, leaves)
+    row["mem_mb"] = peak_mem_mb(step, dev, leaves)
+
+
 def host_bound(row) -> bool:
     """Whether the host took at least 0.9x the step's ms to issue it: the reading then follows the CPU."""
     return bool(row.get("host_ms")) and row["host_ms"] >= 0.9 * row["ms"]
@@ -235,10 +243,7 @@ def run_gemms(block, T, dev, dtype, args, row_f, row_b):
     row_b["grad_err"] = max(rel_err(o, r) for o, r in zip(got, want))
     leaves = [xs, a] + params
     step = lambda: torch.autograd.backward(list(run()), gs)
-    row_b["ms"], row_b["p20"], row_b["p80"] = bench(step, dev, args.quick, grad_to_none=leaves, row=row_b)
-    if dev.type == "cuda":  # on the CPU enqueueing is the work itself
-        row_b["host_ms"] = host_ms(step, dev, leaves)
-    row_b["mem_mb"] = peak_mem_mb(step, dev, leaves)
+    time_fwd_bwd(step, dev, args, leaves, row_b)
     for p in leaves:
         p.grad = None
     return step, leaves
@@ -295,8 +300,7 @@ def run_block_backward(fn, compiled, block, rand, dev, args, row_b):
             t.grad = None
         (fn(x) * g).sum().backward()
 
-    row_b["ms"], row_b["p20"], row_b["p80"] = bench(step, dev, args.quick, grad_to_none=leaves, row=row_b)
-    row_b["mem_mb"] = peak_mem_mb(step, dev, leaves)
+    time_fwd_bwd(step, dev, args, leaves, row_b)
     for p in leaves:
         p.grad = None
     return step, leaves
