@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probe_gather_wgrad_gpu import SHAPES  # noqa: E402  (H, I, E, k)
+from probe_gluon_wgrad_gpu import compile_sm90_report  # noqa: E402
 
 BM, HALF_N, BK = 128, 128, 64  # a tile: BM rows x 2 x HALF_N columns (one half per consumer)
 STAGES = 4  # a stage: A 16 KB + B 2 x 16 KB
@@ -175,30 +176,15 @@ def gluon_rows_coop(a, w, tiles, rows, sms, src=None):
 
 
 def compile_sm90(gather: bool):
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(1024, 256, dtype=torch.bfloat16)
     sig = {"a_desc": mangle_type(_desc(t, [BM, BK])), "w_desc": mangle_type(_desc(t, [HALF_N, BK])),
-           "tiles_ptr": "*i32", "num_m": "i32", "num_n": "i32", "N": "i32", "K": "i32", "x_ptr": "*bf16", "src_ptr": "*i32",
-           "out_ptr": "*bf16", "total": "i32", "STAGES": "constexpr", "GATHER": "constexpr"}
-    names = list(sig)
-    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in ("tiles_ptr", "N", "K", "x_ptr", "src_ptr",
-                                                                  "out_ptr")}
-    k = triton.compile(GluonASTSource(_rows_kernel, sig, {"STAGES": STAGES, "GATHER": gather}, attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
-    with tempfile.TemporaryDirectory() as d:
-        open(d + "/k.ptx", "w").write(k.asm["ptx"])
-        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", d + "/k.ptx", "-o", d + "/k.cubin"],
-                             capture_output=True, text=True)
-    print(f"GATHER={gather}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}\n"
-          f"{out.stdout}{out.stderr}")
+           "tiles_ptr": "*i32", "num_m": "i32", "num_n": "i32", "N": "i32", "K": "i32", "x_ptr": "*bf16",
+           "src_ptr": "*i32", "out_ptr": "*bf16", "total": "i32", "STAGES": "constexpr", "GATHER": "constexpr"}
+    k, report = compile_sm90_report(_rows_kernel, sig, {"STAGES": STAGES, "GATHER": gather},
+                                    ("tiles_ptr", "N", "K", "x_ptr", "src_ptr", "out_ptr"))
+    print(f"GATHER={gather}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{report}")
 
 
 def main():
@@ -211,9 +197,8 @@ def main():
     if args.compile:
         return [compile_sm90(g) for g in (False, True)]
 
-    from power import run_sustained
     from probe_gather_wgrad_gpu import routed_inputs
-    from probe_gluon_wgrad_gpu import pad
+    from probe_gluon_wgrad_gpu import pad, report_check, report_sustained
 
     from moe_fuse.kernels.permute import expand_rows
 
@@ -246,15 +231,10 @@ def main():
     for label, (run, as_sorted) in ours.items():
         got = as_sorted(run())
         torch.cuda.synchronize()
-        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-        print(f"  gate_up {label:24s} vs CUTLASS: rel err {err:.1e}, bitwise {torch.equal(got, want)}", flush=True)
+        report_check(f"gate_up {label:24s}", got, want)
     for label, fn in {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(x, pos), cutlass()),
                       **{label: run for label, (run, _) in ours.items()}}.items():
-        ms, smp = run_sustained(fn, args.seconds, batch=20)
-        st, mj = smp.stats(), smp.mj_per_call
-        print(f"  gate_up {label:24s} {ms:.3f} ms/call, {'nan' if mj is None else f'{mj:.0f}'} mJ/call "
-              f"({flop / ms / 1e9:.0f} TFLOP/s of the routed rows), {st.get('watts', float('nan')):.0f} W, "
-              f"{st.get('sm_mhz', float('nan')):.0f} MHz, capped {st.get('capped', float('nan')):.0%}", flush=True)
+        report_sustained(f"gate_up {label:24s}", fn, args.seconds, flop, " of the routed rows")
 
 
 if __name__ == "__main__":

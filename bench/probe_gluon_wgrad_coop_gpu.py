@@ -37,7 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probe_gather_wgrad_gpu import SHAPES  # noqa: E402  (H, I, E, k)
+from probe_gluon_wgrad_gpu import compile_sm90_report  # noqa: E402
 
 HALF, BN, BK = 128, 128, 64  # a tile: 2 x HALF of P's columns (one half per consumer) x BN of Q's
 STAGES = 3  # a stage: P 2 x 16 KB + Q 16 KB; with the two 32 KB epilogue buffers 208 KB of shared memory
@@ -184,13 +184,6 @@ def gluon_wgrad_coop(p, q, offp, E, sms, src=None, epi_tma=True):
 
 
 def compile_sm90(gather: bool, epi_tma: bool):
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(1024, 256, dtype=torch.bfloat16)
@@ -198,18 +191,11 @@ def compile_sm90(gather: bool, epi_tma: bool):
            "out_desc": mangle_type(_desc(t, [HALF, BN])), "offp_ptr": "*i32", "M": "i32", "num_m": "i32",
            "num_n": "i32", "total": "i32", "q_ptr": "*bf16", "src_ptr": "*i32", "stride_q": "i32", "out_ptr": "*bf16",
            "STAGES": "constexpr", "GATHER": "constexpr", "EPI_TMA": "constexpr"}
-    names = list(sig)
-    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in ("offp_ptr", "M", "q_ptr", "src_ptr", "stride_q",
-                                                                  "out_ptr")}
     constants = {"STAGES": STAGES if epi_tma else STAGES + 1, "GATHER": gather, "EPI_TMA": epi_tma}
-    k = triton.compile(GluonASTSource(_wgrad_kernel, sig, constants, attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
-    with tempfile.TemporaryDirectory() as d:
-        open(d + "/k.ptx", "w").write(k.asm["ptx"])
-        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", d + "/k.ptx", "-o", d + "/k.cubin"],
-                             capture_output=True, text=True)
+    k, report = compile_sm90_report(_wgrad_kernel, sig, constants,
+                                    ("offp_ptr", "M", "q_ptr", "src_ptr", "stride_q", "out_ptr"))
     print(f"GATHER={gather} EPI_TMA={epi_tma}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}; "
-          f"TMA store {'cp.async.bulk.tensor.2d.global.shared' in k.asm['ptx']}\n{out.stdout}{out.stderr}")
+          f"TMA store {'cp.async.bulk.tensor.2d.global.shared' in k.asm['ptx']}\n{report}")
 
 
 def main():
@@ -222,29 +208,13 @@ def main():
     if args.compile:
         return [compile_sm90(g, t) for g in (False, True) for t in (True, False)]
 
-    from power import run_sustained
-    from probe_gather_wgrad_gpu import routed_inputs
-    from probe_gluon_wgrad_gpu import gluon_wgrad, pad
+    from probe_gluon_wgrad_gpu import gluon_wgrad, pad, report_check, report_sustained, wgrad_inputs
 
     from moe_fuse.kernels.permute import expand_rows
 
-    H, I, E, k = SHAPES[args.shape]
-    T, S, dev = args.tokens, args.tokens * k, "cuda"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    x, dy, dh, aw, routing = routed_inputs(H, I, E, k, T, dev)  # the other probes' inputs, the same draws
-    ends = routing.offsets[1:]
-    pos = routing.pos.view(T, k)
-    padded = (routing.counts.long() + BK - 1) // BK * BK
-    offp = torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
-    rows = int(offp[-1])
-    print(f"{torch.cuda.get_device_name()}; {args.shape} T={T}: S={S}, padded rows {rows} (+{rows / S - 1:.1%})",
-          flush=True)
-    xs, dys = expand_rows(x, pos), expand_rows(dy, pos)
-    src = pad(routing.token.view(S, 1) + 1, routing.offsets, offp, rows).view(-1).to(torch.int32) - 1
-    cases = {  # P, the sorted copy of Q, Q, CUTLASS, whether ours is its transpose
-        "dW_gate_up": (dh, xs, x, lambda: torch._grouped_mm(dh.t(), xs, offs=ends), False),
-        "dW_down": (aw, dys, dy, lambda: torch._grouped_mm(dys.t(), aw, offs=ends), True),
-    }
+    w = wgrad_inputs(args.shape, args.tokens, BK)
+    E, S, sms, routing, pos, offp, rows, src, cases = (w.E, w.S, w.sms, w.routing, w.pos, w.offp, w.rows, w.src,
+                                                       w.cases)
     for name, (p, q, q_src, cutlass, transposed) in cases.items():
         flop = 2 * S * p.shape[1] * q.shape[1]
         pp, qp = pad(p, routing.offsets, offp, rows), pad(q, routing.offsets, offp, rows)
@@ -258,16 +228,10 @@ def main():
         for label, run in ours.items():
             got = run()
             torch.cuda.synchronize()
-            got = got.transpose(1, 2) if transposed else got
-            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-            print(f"  {name:10s} {label:22s} vs CUTLASS: rel err {err:.1e}, bitwise {torch.equal(got, want)}", flush=True)
+            report_check(f"{name:10s} {label:24s}", got.transpose(1, 2) if transposed else got, want)
         for label, fn in {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(q_src, pos), cutlass()),
                           **ours}.items():
-            ms, smp = run_sustained(fn, args.seconds, batch=20)
-            st, mj = smp.stats(), smp.mj_per_call
-            print(f"  {name:10s} {label:22s} {ms:.3f} ms/call, {'nan' if mj is None else f'{mj:.0f}'} mJ/call "
-                  f"({flop / ms / 1e9:.0f} TFLOP/s), {st.get('watts', float('nan')):.0f} W, "
-                  f"{st.get('sm_mhz', float('nan')):.0f} MHz, capped {st.get('capped', float('nan')):.0%}", flush=True)
+            report_sustained(f"{name:10s} {label:24s}", fn, args.seconds, flop)
 
 
 if __name__ == "__main__":

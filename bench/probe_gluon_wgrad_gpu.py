@@ -217,7 +217,9 @@ def pad(t, offsets, offp, rows):
     return out
 
 
-def compile_sm90(gather, lag=0):
+def compile_sm90_report(kernel, sig, constants, aligned, maxnreg=168):
+    """Compile a Gluon kernel for sm90 on any machine (no GPU needed) and return (compiled, ptxas -v's report):
+    shared memory, registers and spills. ``aligned``: the arguments the runtime would call 16-byte aligned."""
     import subprocess
     import tempfile
 
@@ -225,6 +227,37 @@ def compile_sm90(gather, lag=0):
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = list(sig)
+    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in aligned}
+    k = triton.compile(GluonASTSource(kernel, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "maxnreg": maxnreg})
+    with tempfile.TemporaryDirectory() as d:
+        open(d + "/k.ptx", "w").write(k.asm["ptx"])
+        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", d + "/k.ptx", "-o", d + "/k.cubin"],
+                             capture_output=True, text=True)
+    return k, out.stdout + out.stderr
+
+
+def report_check(label, got, want):
+    """One line: got's error relative to want, and whether they are bitwise equal."""
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    print(f"  {label} vs CUTLASS: rel err {err:.1e}, bitwise {torch.equal(got, want)}", flush=True)
+
+
+def report_sustained(label, fn, seconds, flop, what=""):
+    """One line: fn called back to back at the power cap for ``seconds`` (power.run_sustained): ms and NVML mJ per
+    call, TFLOP/s of ``flop`` per call, the board's watts, SM clock and share of samples capped."""
+    from power import run_sustained
+
+    ms, smp = run_sustained(fn, seconds, batch=20)
+    st, mj = smp.stats(), smp.mj_per_call
+    print(f"  {label} {ms:.3f} ms/call, {'nan' if mj is None else f'{mj:.0f}'} mJ/call "
+          f"({flop / ms / 1e9:.0f} TFLOP/s{what}), {st.get('watts', float('nan')):.0f} W, "
+          f"{st.get('sm_mhz', float('nan')):.0f} MHz, capped {st.get('capped', float('nan')):.0%}", flush=True)
+
+
+def compile_sm90(gather, lag=0):
     from triton.runtime.jit import mangle_type
 
     pd = _desc(torch.empty(1024, 256, dtype=torch.bfloat16), [BK, BM])
@@ -233,18 +266,40 @@ def compile_sm90(gather, lag=0):
            "N": "i32", "num_m": "i32", "num_n": "i32", "total": "i32", "q_ptr": "*bf16", "src_ptr": "*i32",
            "stride_q": "i32", "STAGES": "constexpr", "GATHER": "constexpr",
            "LAG": "constexpr"}
-    names = list(sig)
     # what the runtime's specialization says of 16-byte aligned pointers and multiples of 16
-    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in ("offp_ptr", "out_ptr", "M", "N", "q_ptr", "src_ptr",
-                                                                  "stride_q")}
-    k = triton.compile(GluonASTSource(_wgrad_kernel, sig, {"STAGES": STAGES, "GATHER": gather, "LAG": lag}, attrs),
-                       target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "maxnreg": 168})
-    with tempfile.TemporaryDirectory() as d:
-        open(d + "/k.ptx", "w").write(k.asm["ptx"])
-        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", d + "/k.ptx", "-o", d + "/k.cubin"],
-                             capture_output=True, text=True)
-    print(f"GATHER={gather} LAG={lag}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{out.stdout}{out.stderr}")
+    k, report = compile_sm90_report(_wgrad_kernel, sig, {"STAGES": STAGES, "GATHER": gather, "LAG": lag},
+                                    ("offp_ptr", "out_ptr", "M", "N", "q_ptr", "src_ptr", "stride_q"))
+    print(f"GATHER={gather} LAG={lag}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{report}")
+
+
+def wgrad_inputs(shape, tokens, block_k=BK):
+    """The weight-gradient probes' inputs (``routed_inputs``'s draws) and layouts: the routing, each expert's rows
+    padded to a multiple of block_k (offp, rows), src (the token of each padded row, -1 on padding) and the cases
+    {name: (P, the sorted copy of Q, Q, CUTLASS, whether ours is its transpose)}."""
+    import types
+
+    from probe_gather_wgrad_gpu import routed_inputs
+
+    from moe_fuse.kernels.permute import expand_rows
+
+    H, I, E, k = SHAPES[shape]
+    T, S, dev = tokens, tokens * k, "cuda"
+    x, dy, dh, aw, routing = routed_inputs(H, I, E, k, T, dev)  # the Triton probe's inputs, the same draws
+    ends = routing.offsets[1:]
+    pos = routing.pos.view(T, k)
+    padded = (routing.counts.long() + block_k - 1) // block_k * block_k
+    offp = torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
+    rows = int(offp[-1])
+    print(f"{torch.cuda.get_device_name()}; {shape} T={T}: S={S}, padded rows {rows} (+{rows / S - 1:.1%})",
+          flush=True)
+    xs, dys = expand_rows(x, pos), expand_rows(dy, pos)
+    src = pad(routing.token.view(S, 1) + 1, routing.offsets, offp, rows).view(-1).to(torch.int32) - 1
+    cases = {
+        "dW_gate_up": (dh, xs, x, lambda: torch._grouped_mm(dh.t(), xs, offs=ends), False),
+        "dW_down": (aw, dys, dy, lambda: torch._grouped_mm(dys.t(), aw, offs=ends), True),
+    }
+    return types.SimpleNamespace(E=E, S=S, sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                                 routing=routing, pos=pos, offp=offp, rows=rows, src=src, cases=cases)
 
 
 def main():
@@ -261,29 +316,11 @@ def main():
     if args.compile:
         return [compile_sm90(g, lag) for g, lag in ((False, 0), (True, 0), (True, LAG))]
 
-    from power import run_sustained
-
     from moe_fuse.kernels.permute import expand_rows
-    from probe_gather_wgrad_gpu import routed_inputs
 
-    H, I, E, k = SHAPES[args.shape]
-    T, S, dev = args.tokens, args.tokens * k, "cuda"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    x, dy, dh, aw, routing = routed_inputs(H, I, E, k, T, dev)  # the Triton probe's inputs, the same draws
-    ends = routing.offsets[1:]
-    pos = routing.pos.view(T, k)
-    padded = (routing.counts.long() + BK - 1) // BK * BK
-    offp = torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
-    rows = int(offp[-1])
-    print(f"{torch.cuda.get_device_name()}; {args.shape} T={T}: S={S}, padded rows {rows} (+{rows / S - 1:.1%})",
-          flush=True)
-    xs, dys = expand_rows(x, pos), expand_rows(dy, pos)
-    # the token of each padded row, -1 on padding
-    src = pad(routing.token.view(S, 1) + 1, routing.offsets, offp, rows).view(-1).to(torch.int32) - 1
-    cases = {  # P, the sorted copy of Q, Q, CUTLASS, whether ours is its transpose
-        "dW_gate_up": (dh, xs, x, lambda: torch._grouped_mm(dh.t(), xs, offs=ends), False),
-        "dW_down": (aw, dys, dy, lambda: torch._grouped_mm(dys.t(), aw, offs=ends), True),
-    }
+    w = wgrad_inputs(args.shape, args.tokens)
+    E, S, sms, routing, pos, offp, rows, src, cases = (w.E, w.S, w.sms, w.routing, w.pos, w.offp, w.rows, w.src,
+                                                       w.cases)
     if args.once:
         p, q, q_src, _, _ = cases["dW_gate_up"]
         pp, qp = pad(p, routing.offsets, offp, rows), pad(q, routing.offsets, offp, rows)
@@ -301,16 +338,10 @@ def main():
         for label, run in ours.items():
             got = run()
             torch.cuda.synchronize()
-            got = got.transpose(1, 2) if transposed else got
-            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-            print(f"  {name:10s} {label:26s} vs CUTLASS: rel err {err:.1e}, bitwise {torch.equal(got, want)}", flush=True)
+            report_check(f"{name:10s} {label:26s}", got.transpose(1, 2) if transposed else got, want)
         for label, fn in {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(q_src, pos), cutlass()),
                           **ours}.items():
-            ms, smp = run_sustained(fn, args.seconds, batch=20)
-            st, mj = smp.stats(), smp.mj_per_call
-            print(f"  {name:10s} {label:26s} {ms:.3f} ms/call, {'nan' if mj is None else f'{mj:.0f}'} mJ/call "
-                  f"({flop / ms / 1e9:.0f} TFLOP/s), {st.get('watts', float('nan')):.0f} W, "
-                  f"{st.get('sm_mhz', float('nan')):.0f} MHz, capped {st.get('capped', float('nan')):.0%}", flush=True)
+            report_sustained(f"{name:10s} {label:26s}", fn, args.seconds, flop)
 
 
 if __name__ == "__main__":
