@@ -15,9 +15,9 @@ H = 2048, so it weighs little).
 
 Tiles: 128 rows of one expert each (``tiles_of``: expert, first row, end row). The gathered variant runs on the
 unpadded sorted layout moe_fuse writes (rows past a tile's end gathered as zeros, not stored); the TMA variant
-reads a copy with each expert's rows padded to whole tiles (``pad``), its padding rows dropped before comparing. Prints the error
-against CUTLASS on the sorted copy and bitwise equality, then at the power cap ms and NVML mJ per call of
-CUTLASS, expand + CUTLASS, and both variants.
+reads a copy with each expert's rows padded to whole tiles (``pad``), its padding rows dropped before comparing.
+Prints the error against CUTLASS on the sorted copy and bitwise equality, then at the power cap ms and NVML mJ
+per call of CUTLASS, expand + CUTLASS, and both variants.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def main():
         return [compile_sm90(g) for g in (False, True)]
 
     from probe_gather_wgrad_gpu import routed_inputs
-    from probe_gluon_wgrad_gpu import pad, report_check, report_sustained
+    from probe_gluon_wgrad_gpu import check_then_time, pad, report_check
 
     from moe_fuse.kernels.permute import expand_rows
 
@@ -225,16 +225,15 @@ def main():
         return torch._grouped_mm(xs, w.transpose(1, 2), offs=ends)
 
     want = cutlass()
-    ours = {  # label: (the timed call, its output as CUTLASS's rows)
-        "coop 128x256, padded": (lambda: gluon_rows_coop(xs_p, w, tiles_p, rows_p, sms), lambda o: o[keep]),
-        "coop 128x256, gathered": (lambda: gluon_rows_coop(x, w, tiles, S, sms, src=routing.token), lambda o: o)}
-    for label, (run, as_sorted) in ours.items():
-        got = as_sorted(run())
-        torch.cuda.synchronize()
-        report_check(f"gate_up {label:24s}", got, want)
-    for label, fn in {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(x, pos), cutlass()),
-                      **{label: run for label, (run, _) in ours.items()}}.items():
-        report_sustained(f"gate_up {label:24s}", fn, args.seconds, flop, " of the routed rows")
+    # the padded variant's output holds padding rows: compared through `keep`, outside its timed call
+    padded = gluon_rows_coop(xs_p, w, tiles_p, rows_p, sms)
+    torch.cuda.synchronize()
+    report_check(f"{'gate_up':10s} {'coop 128x256, padded':22s}", padded[keep], want)
+    del padded
+    gathered = {"coop 128x256, gathered": lambda: gluon_rows_coop(x, w, tiles, S, sms, src=routing.token)}
+    baselines = {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(x, pos), cutlass()),
+                 "coop 128x256, padded": lambda: gluon_rows_coop(xs_p, w, tiles_p, rows_p, sms)}
+    check_then_time("gate_up", gathered, want, baselines, args.seconds, flop, what=" of the routed rows")
 
 
 if __name__ == "__main__":

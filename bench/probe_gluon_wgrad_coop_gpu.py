@@ -194,8 +194,8 @@ def compile_sm90(gather: bool, epi_tma: bool):
     constants = {"STAGES": STAGES if epi_tma else STAGES + 1, "GATHER": gather, "EPI_TMA": epi_tma}
     k, report = compile_sm90_report(_wgrad_kernel, sig, constants,
                                     ("offp_ptr", "M", "q_ptr", "src_ptr", "stride_q", "out_ptr"))
-    print(f"GATHER={gather} EPI_TMA={epi_tma}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}; "
-          f"TMA store {'cp.async.bulk.tensor.2d.global.shared' in k.asm['ptx']}\n{report}")
+    print(f"GATHER={gather} EPI_TMA={epi_tma}: shared {k.metadata.shared} B; "
+          f"wgmma {'wgmma.mma_async' in k.asm['ptx']}; TMA store {'cp.async.bulk.tensor.2d.global.shared' in k.asm['ptx']}\n{report}")
 
 
 def main():
@@ -208,7 +208,7 @@ def main():
     if args.compile:
         return [compile_sm90(g, t) for g in (False, True) for t in (True, False)]
 
-    from probe_gluon_wgrad_gpu import gluon_wgrad, pad, report_check, report_sustained, wgrad_inputs
+    from probe_gluon_wgrad_gpu import check_then_time, gluon_wgrad, pad, wgrad_inputs
 
     from moe_fuse.kernels.permute import expand_rows
 
@@ -225,13 +225,9 @@ def main():
                 "coop 256, padded": lambda: gluon_wgrad_coop(pp, qp, offp, E, sms),
                 "coop 256, gathered": lambda: gluon_wgrad_coop(p, q_src, offs, E, sms, src=tok),
                 "coop 256, gathered, 4 st": lambda: gluon_wgrad_coop(p, q_src, offs, E, sms, src=tok, epi_tma=False)}
-        for label, run in ours.items():
-            got = run()
-            torch.cuda.synchronize()
-            report_check(f"{name:10s} {label:24s}", got.transpose(1, 2) if transposed else got, want)
-        for label, fn in {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(q_src, pos), cutlass()),
-                          **ours}.items():
-            report_sustained(f"{name:10s} {label:24s}", fn, args.seconds, flop)
+        check_then_time(name, ours, want, {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(q_src, pos),
+                                                                                           cutlass())},
+                        args.seconds, flop, lambda out: out.transpose(1, 2) if transposed else out)
 
 
 if __name__ == "__main__":

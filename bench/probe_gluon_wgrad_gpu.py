@@ -257,6 +257,18 @@ def report_sustained(label, fn, seconds, flop, what=""):
           f"{st.get('sm_mhz', float('nan')):.0f} MHz, capped {st.get('capped', float('nan')):.0%}", flush=True)
 
 
+def check_then_time(name, ours, want, baselines, seconds, flop, as_want=lambda out: out, what=""):
+    """Each of ``ours`` ({label: call}) checked against ``want`` (its output through ``as_want``), then the
+    baselines ({label: call}) and ours timed at the power cap, one line each."""
+    width = max(map(len, [*ours, *baselines]))
+    for label, run in ours.items():
+        got = run()
+        torch.cuda.synchronize()
+        report_check(f"{name:10s} {label:{width}s}", as_want(got), want)
+    for label, fn in {**baselines, **ours}.items():
+        report_sustained(f"{name:10s} {label:{width}s}", fn, seconds, flop, what)
+
+
 def compile_sm90(gather, lag=0):
     from triton.runtime.jit import mangle_type
 
@@ -335,13 +347,9 @@ def main():
         ours = {"Gluon ping-pong, padded": lambda: gluon_wgrad(pp, qp, offp, E, sms)}
         for lag in args.lags:
             ours[f"Gluon, gathered, lag {lag}"] = lambda lag=lag: gluon_wgrad(pp, q_src, offp, E, sms, src=src, lag=lag)
-        for label, run in ours.items():
-            got = run()
-            torch.cuda.synchronize()
-            report_check(f"{name:10s} {label:26s}", got.transpose(1, 2) if transposed else got, want)
-        for label, fn in {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(q_src, pos), cutlass()),
-                          **ours}.items():
-            report_sustained(f"{name:10s} {label:26s}", fn, args.seconds, flop)
+        check_then_time(name, ours, want, {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(q_src, pos),
+                                                                                           cutlass())},
+                        args.seconds, flop, lambda out: out.transpose(1, 2) if transposed else out)
 
 
 if __name__ == "__main__":
