@@ -22,7 +22,6 @@ per call of CUTLASS, expand + CUTLASS, and both variants.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probe_gather_wgrad_gpu import SHAPES  # noqa: E402  (H, I, E, k)
-from probe_gluon_wgrad_gpu import compile_sm90_report  # noqa: E402
+from probe_gluon_wgrad_gpu import compile_sm90_report, probe_args  # noqa: E402
 
 BM, HALF_N, BK = 128, 128, 64  # a tile: BM rows x 2 x HALF_N columns (one half per consumer)
 STAGES = 4  # a stage: A 16 KB + B 2 x 16 KB
@@ -188,17 +187,12 @@ def compile_sm90(gather: bool):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="30b")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--seconds", type=float, default=2.0)
-    ap.add_argument("--compile", action="store_true")
-    args = ap.parse_args()
+    args = probe_args()
     if args.compile:
         return [compile_sm90(g) for g in (False, True)]
 
     from probe_gather_wgrad_gpu import routed_inputs
-    from probe_gluon_wgrad_gpu import check_then_time, pad, report_check
+    from probe_gluon_wgrad_gpu import check_then_time, pad, padded_offsets, report_check
 
     from moe_fuse.kernels.permute import expand_rows
 
@@ -210,11 +204,7 @@ def main():
         torch.bfloat16)
     ends = routing.offsets[1:]
     pos = routing.pos.view(T, k)
-    padded = (routing.counts.long() + BM - 1) // BM * BM
-    offp = torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
-    rows_p = int(offp[-1])
-    print(f"{torch.cuda.get_device_name()}; {args.shape} T={T}: S={S}, padded rows {rows_p} (+{rows_p / S - 1:.1%})",
-          flush=True)
+    offp, rows_p = padded_offsets(routing, BM, f"{args.shape} T={T}")
     xs = expand_rows(x, pos)
     xs_p = pad(xs, routing.offsets, offp, rows_p)  # the TMA variant's whole tiles
     keep = pad(torch.ones(S, 1, device=dev), routing.offsets, offp, rows_p).view(-1).bool()  # its real rows

@@ -22,7 +22,6 @@ CUTLASS, expand + CUTLASS, this kernel on the padded copy (TMA) and gathered (cp
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probe_gluon_wgrad_gpu import compile_sm90_report  # noqa: E402
+from probe_gluon_wgrad_gpu import compile_sm90_report, probe_args  # noqa: E402
 
 HALF, BN, BK = 128, 128, 64  # a tile: 2 x HALF of P's columns (one half per consumer) x BN of Q's
 STAGES = 3  # a stage: P 2 x 16 KB + Q 16 KB; with the two 32 KB epilogue buffers 208 KB of shared memory
@@ -199,12 +198,7 @@ def compile_sm90(gather: bool, epi_tma: bool):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="30b")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--seconds", type=float, default=2.0)
-    ap.add_argument("--compile", action="store_true")
-    args = ap.parse_args()
+    args = probe_args()
     if args.compile:
         return [compile_sm90(g, t) for g in (False, True) for t in (True, False)]
 

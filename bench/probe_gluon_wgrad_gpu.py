@@ -284,6 +284,29 @@ def compile_sm90(gather, lag=0):
     print(f"GATHER={gather} LAG={lag}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{report}")
 
 
+def probe_args(**extra):
+    """The Gluon probes' common arguments (shape, tokens, seconds at the cap, --compile), plus ``extra``
+    ({flag: add_argument kwargs})."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="30b")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--compile", action="store_true", help="compile for sm90 and print ptxas -v (no GPU needed)")
+    for flag, kwargs in extra.items():
+        ap.add_argument(flag, **kwargs)
+    return ap.parse_args()
+
+
+def padded_offsets(routing, block, label):
+    """offsets with each expert's segment rounded up to a multiple of ``block`` rows (``pad``'s layout), and their
+    total; prints the padding's share."""
+    padded = (routing.counts.long() + block - 1) // block * block
+    offp = torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
+    rows, S = int(offp[-1]), int(routing.offsets[-1])
+    print(f"{torch.cuda.get_device_name()}; {label}: S={S}, padded rows {rows} (+{rows / S - 1:.1%})", flush=True)
+    return offp, rows
+
+
 def wgrad_inputs(shape, tokens, block_k=BK):
     """The weight-gradient probes' inputs (``routed_inputs``'s draws) and layouts: the routing, each expert's rows
     padded to a multiple of block_k (offp, rows), src (the token of each padded row, -1 on padding) and the cases
@@ -299,11 +322,7 @@ def wgrad_inputs(shape, tokens, block_k=BK):
     x, dy, dh, aw, routing = routed_inputs(H, I, E, k, T, dev)  # the Triton probe's inputs, the same draws
     ends = routing.offsets[1:]
     pos = routing.pos.view(T, k)
-    padded = (routing.counts.long() + block_k - 1) // block_k * block_k
-    offp = torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
-    rows = int(offp[-1])
-    print(f"{torch.cuda.get_device_name()}; {shape} T={T}: S={S}, padded rows {rows} (+{rows / S - 1:.1%})",
-          flush=True)
+    offp, rows = padded_offsets(routing, block_k, f"{shape} T={T}")
     xs, dys = expand_rows(x, pos), expand_rows(dy, pos)
     src = pad(routing.token.view(S, 1) + 1, routing.offsets, offp, rows).view(-1).to(torch.int32) - 1
     cases = {
@@ -315,16 +334,11 @@ def wgrad_inputs(shape, tokens, block_k=BK):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="30b")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--seconds", type=float, default=2.0)
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--lags", type=lambda v: [int(x) for x in v.split(",")], default=[0, LAG],
-                    help="gathered variants: 0 = per-thread noinc arrivals, consumers fence; L > 0 = the loader "
-                         "fences and signals each stage L steps after issuing it")
-    ap.add_argument("--once", action="store_true", help="dW_gate_up once per loader, nothing timed (for ncu)")
-    args = ap.parse_args()
+    args = probe_args(**{
+        "--lags": dict(type=lambda v: [int(x) for x in v.split(",")], default=[0, LAG],
+                       help="gathered variants: 0 = per-thread noinc arrivals, consumers fence; L > 0 = the loader "
+                            "fences and signals each stage L steps after issuing it"),
+        "--once": dict(action="store_true", help="dW_gate_up once per loader, nothing timed (for ncu)")})
     if args.compile:
         return [compile_sm90(g, lag) for g, lag in ((False, 0), (True, 0), (True, LAG))]
 
