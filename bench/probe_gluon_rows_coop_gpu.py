@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Probe: the row-ragged gate_up GEMM with its A rows gathered (x[token]) on cooperative 128 x 256 tiles.
+"""Probe: the row-ragged gate_up and dgrad GEMMs with their A rows gathered (x[token], dy[token]) on cooperative
+128 x 256 tiles.
 
     PYTHONPATH=. python3 bench/probe_gluon_rows_coop_gpu.py [--shape 30b] [--tokens 16384] [--seconds 2]
     PYTHONPATH=. python3 bench/probe_gluon_rows_coop_gpu.py --compile      # CPU: compile for sm90, ptxas -v
@@ -16,8 +17,10 @@ H = 2048, so it weighs little).
 Tiles: 128 rows of one expert each (``tiles_of``: expert, first row, end row). The gathered variant runs on the
 unpadded sorted layout moe_fuse writes (rows past a tile's end gathered as zeros, not stored); the TMA variant
 reads a copy with each expert's rows padded to whole tiles (``pad``), its padding rows dropped before comparing.
-Prints the error against CUTLASS on the sorted copy and bitwise equality, then at the power cap ms and NVML mJ
-per call of CUTLASS, expand + CUTLASS, and both variants.
+dgrad (dys @ W_down[e], W_down [E, H, I]: the weight tile's halves are column blocks, wgmma's B read N-major) is
+the same kernel with ``b_kmajor=False``: with the weight-gradient probe's dW_down it sizes the readers of dys.
+Prints, per GEMM, the error against CUTLASS on the sorted copy and bitwise equality, then at the power cap ms and
+NVML mJ per call of CUTLASS, expand + CUTLASS, and both variants.
 """
 
 from __future__ import annotations
@@ -44,14 +47,15 @@ STAGES = 4  # a stage: A 16 KB + B 2 x 16 KB
 
 
 @gluon.jit
-def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
-    """Each stage: the weight tile's two halves by TMA; A by TMA of the padded sorted copy, or (GATHER) its rows
-    x[src] gathered through cp.async by this 4-warp partition, every thread arriving when its pieces land."""
+def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr):
+    """Each stage: the weight tile's two halves by TMA (row blocks of w [E, N, K], or with B_KMAJOR off column
+    blocks of w [E, K, N]); A by TMA of the padded sorted copy, or (GATHER) its rows x[src] gathered through
+    cp.async by this 4-warp partition, every thread arriving when its pieces land."""
     (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr,
      total) = p
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    HALF: gl.constexpr = w_desc.block_type.shape[0]
+    HALF: gl.constexpr = w_desc.block_type.shape[0] if B_KMAJOR else w_desc.block_type.shape[1]
     gather: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte pieces, a row's in 8 threads
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -71,8 +75,14 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
                 mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes)
             else:
                 mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [e * N + n0, k0], ready.index(s), b_bufs.index(2 * s))
-            tma.async_copy_global_to_shared(w_desc, [e * N + n0 + HALF, k0], ready.index(s), b_bufs.index(2 * s + 1))
+            if B_KMAJOR:
+                tma.async_copy_global_to_shared(w_desc, [e * N + n0, k0], ready.index(s), b_bufs.index(2 * s))
+                tma.async_copy_global_to_shared(w_desc, [e * N + n0 + HALF, k0], ready.index(s),
+                                                b_bufs.index(2 * s + 1))
+            else:
+                tma.async_copy_global_to_shared(w_desc, [e * K + k0, n0], ready.index(s), b_bufs.index(2 * s))
+                tma.async_copy_global_to_shared(w_desc, [e * K + k0, n0 + HALF], ready.index(s),
+                                                b_bufs.index(2 * s + 1))
             if GATHER:
                 cols = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
                 mask = (src >= 0)[:, None] & (cols < K)[None, :]
@@ -84,13 +94,13 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
 
 
 @gluon.jit
-def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, c: gl.constexpr):
+def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, c: gl.constexpr):
     """Consumer c: output columns [n0 + c * HALF, n0 + (c + 1) * HALF) of every tile."""
     (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr,
      total) = p
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    HALF: gl.constexpr = w_desc.block_type.shape[0]
+    HALF: gl.constexpr = w_desc.block_type.shape[0] if B_KMAJOR else w_desc.block_type.shape[1]
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, HALF, 16])
     n_k = gl.cdiv(K, BLOCK_K)
@@ -105,7 +115,10 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, c: gl.constexpr):
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             if GATHER:  # cp.async wrote A through the generic proxy; wgmma reads through the async one
                 fence_async_shared()
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(2 * s + c).permute((1, 0)), acc, is_async=True)
+            if B_KMAJOR:  # a [HALF, BLOCK_K] tile of w [E, N, K]: wgmma's B is its transpose
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(2 * s + c).permute((1, 0)), acc, is_async=True)
+            else:  # already [BLOCK_K, HALF]
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(2 * s + c), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
             it += 1
@@ -118,13 +131,13 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, c: gl.constexpr):
 
 
 @gluon.jit
-def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr):
-    _consume(p, STAGES, GATHER, 1)
+def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr):
+    _consume(p, STAGES, GATHER, B_KMAJOR, 1)
 
 
 @gluon.jit
 def _rows_kernel(a_desc, w_desc, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr, total,
-                 STAGES: gl.constexpr, GATHER: gl.constexpr):
+                 STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -134,9 +147,9 @@ def _rows_kernel(a_desc, w_desc, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, 
         mbarrier.init(empty.index(s), count=2)  # both consumers
     p = (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr, total)
     gl.warp_specialize([
-        (_consume, (p, STAGES, GATHER, 0)),
-        (_consume_second, (p, STAGES, GATHER)),
-        (_loader, (p, STAGES, GATHER)),
+        (_consume, (p, STAGES, GATHER, B_KMAJOR, 0)),
+        (_consume_second, (p, STAGES, GATHER, B_KMAJOR)),
+        (_loader, (p, STAGES, GATHER, B_KMAJOR)),
     ], [4, 4], [200, 88] if GATHER else [232, 40])
 
 
@@ -157,39 +170,48 @@ def tiles_of(offsets, block_m=BM):
     return torch.stack([e, r0, r1]).to(torch.int32).contiguous()
 
 
-def gluon_rows_coop(a, w, tiles, rows, sms, src=None):
-    """out [rows, N] = A[r] @ W[e]^T for the rows r of each tile (``tiles_of``); A = a (through TMA, so every tile
+def gluon_rows_coop(a, w, tiles, rows, sms, src=None, b_kmajor=True):
+    """out [rows, N] = A[r] @ B_e for the rows r of each tile (``tiles_of``); A = a (through TMA, so every tile
     must be whole: rows padded per expert), or with src (int32 per row) the gathered a[src], masked past each
-    tile's end row: the unpadded sorted layout moe_fuse writes. w [E, N, K] contiguous, N a multiple of 256."""
-    E, N, K = w.shape
+    tile's end row: the unpadded sorted layout moe_fuse writes. B_e = w[e]^T for w [E, N, K] (b_kmajor: gate_up's
+    W_gate_up) or w[e] for w [E, K, N] (dgrad's W_down); w contiguous, N a multiple of 256."""
+    if b_kmajor:
+        E, N, K = w.shape
+        w_desc = _desc(w.view(E * N, K), [HALF_N, BK])
+    else:
+        E, K, N = w.shape
+        w_desc = _desc(w.view(E * K, N), [BK, HALF_N])
     if N % (2 * HALF_N) or K % BK:
         raise ValueError(f"N={N} must be a multiple of {2 * HALF_N} and K={K} of {BK}")
     out = torch.empty(rows, N, dtype=a.dtype, device=a.device)
     num_m, num_n = tiles.shape[1], N // (2 * HALF_N)
     total = num_m * num_n
     gather = src is not None
-    a_desc = _desc(w.view(E * N, K) if gather else a, [BM, BK])  # unused when gathering: any of the block's type
-    _rows_kernel[(min(sms, total),)](a_desc, _desc(w.view(E * N, K), [HALF_N, BK]), tiles, num_m, num_n, N, K, a,
-                                     src if gather else tiles, out, total, STAGES, gather, num_warps=4, maxnreg=168)
+    a_desc = _desc(w.view(-1, w.shape[-1]) if gather else a, [BM, BK])  # unused when gathering: any of its type
+    _rows_kernel[(min(sms, total),)](a_desc, w_desc, tiles, num_m, num_n, N, K, a, src if gather else tiles, out,
+                                     total, STAGES, gather, b_kmajor, num_warps=4, maxnreg=168)
     return out
 
 
-def compile_sm90(gather: bool):
+def compile_sm90(gather: bool, b_kmajor: bool):
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(1024, 256, dtype=torch.bfloat16)
-    sig = {"a_desc": mangle_type(_desc(t, [BM, BK])), "w_desc": mangle_type(_desc(t, [HALF_N, BK])),
+    w_block = [HALF_N, BK] if b_kmajor else [BK, HALF_N]
+    sig = {"a_desc": mangle_type(_desc(t, [BM, BK])), "w_desc": mangle_type(_desc(t, w_block)),
            "tiles_ptr": "*i32", "num_m": "i32", "num_n": "i32", "N": "i32", "K": "i32", "x_ptr": "*bf16",
-           "src_ptr": "*i32", "out_ptr": "*bf16", "total": "i32", "STAGES": "constexpr", "GATHER": "constexpr"}
-    k, report = compile_sm90_report(_rows_kernel, sig, {"STAGES": STAGES, "GATHER": gather},
+           "src_ptr": "*i32", "out_ptr": "*bf16", "total": "i32", "STAGES": "constexpr", "GATHER": "constexpr",
+           "B_KMAJOR": "constexpr"}
+    k, report = compile_sm90_report(_rows_kernel, sig, {"STAGES": STAGES, "GATHER": gather, "B_KMAJOR": b_kmajor},
                                     ("tiles_ptr", "N", "K", "x_ptr", "src_ptr", "out_ptr"))
-    print(f"GATHER={gather}: shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{report}")
+    print(f"GATHER={gather} B_KMAJOR={b_kmajor}: shared {k.metadata.shared} B; "
+          f"wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{report}")
 
 
 def main():
     args = probe_args()
     if args.compile:
-        return [compile_sm90(g) for g in (False, True)]
+        return [compile_sm90(g, km) for km in (True, False) for g in (False, True)]
 
     from probe_gather_wgrad_gpu import routed_inputs
     from probe_gluon_wgrad_gpu import check_then_time, pad, padded_offsets, report_check
@@ -199,31 +221,34 @@ def main():
     H, I, E, k = SHAPES[args.shape]
     T, S, dev = args.tokens, args.tokens * k, "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    x, _, _, _, routing = routed_inputs(H, I, E, k, T, dev)  # the other probes' inputs, the same draws
-    w = (torch.randn(E, 2 * I, H, device=dev, generator=torch.Generator(device=dev).manual_seed(1)) * H**-0.5).to(
-        torch.bfloat16)
+    x, dy, _, _, routing = routed_inputs(H, I, E, k, T, dev)  # the other probes' inputs, the same draws
+    gen = torch.Generator(device=dev).manual_seed(1)
+    w_gate_up = (torch.randn(E, 2 * I, H, device=dev, generator=gen) * H**-0.5).to(torch.bfloat16)
+    w_down = (torch.randn(E, H, I, device=dev, generator=gen) * H**-0.5).to(torch.bfloat16)
     ends = routing.offsets[1:]
     pos = routing.pos.view(T, k)
     offp, rows_p = padded_offsets(routing, BM, f"{args.shape} T={T}")
-    xs = expand_rows(x, pos)
-    xs_p = pad(xs, routing.offsets, offp, rows_p)  # the TMA variant's whole tiles
-    keep = pad(torch.ones(S, 1, device=dev), routing.offsets, offp, rows_p).view(-1).bool()  # its real rows
+    keep = pad(torch.ones(S, 1, device=dev), routing.offsets, offp, rows_p).view(-1).bool()  # the padded rows' real ones
     tiles_p, tiles = tiles_of(offp), tiles_of(routing.offsets)
-    flop = 2 * S * 2 * I * H
-
-    def cutlass():
-        return torch._grouped_mm(xs, w.transpose(1, 2), offs=ends)
-
-    want = cutlass()
-    # the padded variant's output holds padding rows: compared through `keep`, outside its timed call
-    padded = gluon_rows_coop(xs_p, w, tiles_p, rows_p, sms)
-    torch.cuda.synchronize()
-    report_check(f"{'gate_up':10s} {'coop 128x256, padded':22s}", padded[keep], want)
-    del padded
-    gathered = {"coop 128x256, gathered": lambda: gluon_rows_coop(x, w, tiles, S, sms, src=routing.token)}
-    baselines = {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(x, pos), cutlass()),
-                 "coop 128x256, padded": lambda: gluon_rows_coop(xs_p, w, tiles_p, rows_p, sms)}
-    check_then_time("gate_up", gathered, want, baselines, args.seconds, flop, what=" of the routed rows")
+    # the two readers of a sorted copy along M: gate_up (xs, W_gate_up [E, 2I, H]) and dgrad (dys, W_down [E, H, I])
+    cases = {"gate_up": (x, w_gate_up, True, lambda a_s: torch._grouped_mm(a_s, w_gate_up.transpose(1, 2), offs=ends)),
+             "dgrad": (dy, w_down, False, lambda a_s: torch._grouped_mm(a_s, w_down, offs=ends))}
+    for name, (a, w, kmajor, grouped_mm) in cases.items():
+        a_s = expand_rows(a, pos)  # the sorted copy moe_fuse writes today
+        a_p = pad(a_s, routing.offsets, offp, rows_p)  # the TMA variant's whole tiles
+        flop = 2 * S * w.shape[1] * w.shape[2]
+        want = grouped_mm(a_s)
+        # the padded variant's output holds padding rows: compared through `keep`, outside its timed call
+        padded = gluon_rows_coop(a_p, w, tiles_p, rows_p, sms, b_kmajor=kmajor)
+        torch.cuda.synchronize()
+        report_check(f"{name:10s} {'coop 128x256, padded':22s}", padded[keep], want)
+        del padded
+        gathered = {"coop 128x256, gathered": lambda: gluon_rows_coop(a, w, tiles, S, sms, src=routing.token,
+                                                                      b_kmajor=kmajor)}
+        baselines = {"CUTLASS": lambda: grouped_mm(a_s), "expand + CUTLASS": lambda: grouped_mm(expand_rows(a, pos)),
+                     "coop 128x256, padded": lambda: gluon_rows_coop(a_p, w, tiles_p, rows_p, sms, b_kmajor=kmajor)}
+        check_then_time(name, gathered, want, baselines, args.seconds, flop, what=" of the routed rows")
+        del a_s, a_p
 
 
 if __name__ == "__main__":
