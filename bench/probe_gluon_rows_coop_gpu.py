@@ -11,7 +11,8 @@ would have to gather x's rows itself. With Triton's pointer loads that was 5-8% 
 Here, in Gluon: a 4-warp loader gathers the stage's A tile [128 rows, 64] with cp.async (each thread 8 16-byte
 pieces, arriving on the stage's barrier when they land) and issues the TMA loads of the weight tile's two halves
 ([128, 64] each); the two consumer warpgroups share the gathered A and each multiplies its own 128 output columns,
-so the gathered bytes per FLOP are half those of a 128 x 128 tile. Epilogue from registers (32 K steps a tile at
+so the gathered bytes per FLOP are half those of a 128 x 128 tile (and with 8 loader warps, half the pieces a
+thread). Epilogue from registers (32 K steps a tile at
 H = 2048, so it weighs little).
 
 Tiles: 128 rows of one expert each (``tiles_of``: expert, first row, end row). The gathered variant runs on the
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probe_gather_wgrad_gpu import SHAPES  # noqa: E402  (H, I, E, k)
+from probe_gluon_wgrad_coop_gpu import max_regs  # noqa: E402
 from probe_gluon_wgrad_gpu import compile_sm90_report, probe_args  # noqa: E402
 
 BM, HALF_N, BK = 128, 128, 64  # a tile: BM rows x 2 x HALF_N columns (one half per consumer)
@@ -47,16 +49,16 @@ STAGES = 4  # a stage: A 16 KB + B 2 x 16 KB
 
 
 @gluon.jit
-def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr):
+def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, LW: gl.constexpr):
     """Each stage: the weight tile's two halves by TMA (row blocks of w [E, N, K], or with B_KMAJOR off column
     blocks of w [E, K, N]); A by TMA of the padded sorted copy, or (GATHER) its rows x[src] gathered through
-    cp.async by this 4-warp partition, every thread arriving when its pieces land."""
+    cp.async by this LW-warp partition, every thread arriving when its pieces land."""
     (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr,
      total) = p
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     HALF: gl.constexpr = w_desc.block_type.shape[0] if B_KMAJOR else w_desc.block_type.shape[1]
-    gather: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte pieces, a row's in 8 threads
+    gather: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LW, 1], [1, 0])  # 16-byte pieces, a row's in 8 threads
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
         m_tile = t // num_n
@@ -137,20 +139,20 @@ def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.
 
 @gluon.jit
 def _rows_kernel(a_desc, w_desc, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr, total,
-                 STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr):
+                 STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, LW: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1 + GATHER * 128)  # the TMA's arrival, and each gathering thread's
+        mbarrier.init(ready.index(s), count=1 + GATHER * 32 * LW)  # the TMA's arrival, and each gathering thread's
         mbarrier.init(empty.index(s), count=2)  # both consumers
     p = (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr, total)
     gl.warp_specialize([
         (_consume, (p, STAGES, GATHER, B_KMAJOR, 0)),
         (_consume_second, (p, STAGES, GATHER, B_KMAJOR)),
-        (_loader, (p, STAGES, GATHER, B_KMAJOR)),
-    ], [4, 4], [200, 88] if GATHER else [232, 40])
+        (_loader, (p, STAGES, GATHER, B_KMAJOR, LW)),
+    ], [4, LW], ([200, 88] if LW == 4 else [200, 56]) if GATHER else [232, 40])
 
 
 def _desc(t, block):
@@ -170,11 +172,12 @@ def tiles_of(offsets, block_m=BM):
     return torch.stack([e, r0, r1]).to(torch.int32).contiguous()
 
 
-def gluon_rows_coop(a, w, tiles, rows, sms, src=None, b_kmajor=True):
+def gluon_rows_coop(a, w, tiles, rows, sms, src=None, b_kmajor=True, loader_warps=4):
     """out [rows, N] = A[r] @ B_e for the rows r of each tile (``tiles_of``); A = a (through TMA, so every tile
     must be whole: rows padded per expert), or with src (int32 per row) the gathered a[src], masked past each
     tile's end row: the unpadded sorted layout moe_fuse writes. B_e = w[e]^T for w [E, N, K] (b_kmajor: gate_up's
-    W_gate_up) or w[e] for w [E, K, N] (dgrad's W_down); w contiguous, N a multiple of 256."""
+    W_gate_up) or w[e] for w [E, K, N] (dgrad's W_down); w contiguous, N a multiple of 256. loader_warps
+    (gathering only): 4, or 8 for twice the cp.async pieces in flight per stage (``max_regs``)."""
     if b_kmajor:
         E, N, K = w.shape
         w_desc = _desc(w.view(E * N, K), [HALF_N, BK])
@@ -187,13 +190,16 @@ def gluon_rows_coop(a, w, tiles, rows, sms, src=None, b_kmajor=True):
     num_m, num_n = tiles.shape[1], N // (2 * HALF_N)
     total = num_m * num_n
     gather = src is not None
+    lw = loader_warps if gather else 4
+    if lw not in (4, 8):
+        raise ValueError(f"loader_warps must be 4 or 8, got {loader_warps}")
     a_desc = _desc(w.view(-1, w.shape[-1]) if gather else a, [BM, BK])  # unused when gathering: any of its type
     _rows_kernel[(min(sms, total),)](a_desc, w_desc, tiles, num_m, num_n, N, K, a, src if gather else tiles, out,
-                                     total, STAGES, gather, b_kmajor, num_warps=4, maxnreg=168)
+                                     total, STAGES, gather, b_kmajor, lw, num_warps=4, maxnreg=max_regs(lw))
     return out
 
 
-def compile_sm90(gather: bool, b_kmajor: bool):
+def compile_sm90(gather: bool, b_kmajor: bool, lw: int = 4):
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(1024, 256, dtype=torch.bfloat16)
@@ -201,17 +207,18 @@ def compile_sm90(gather: bool, b_kmajor: bool):
     sig = {"a_desc": mangle_type(_desc(t, [BM, BK])), "w_desc": mangle_type(_desc(t, w_block)),
            "tiles_ptr": "*i32", "num_m": "i32", "num_n": "i32", "N": "i32", "K": "i32", "x_ptr": "*bf16",
            "src_ptr": "*i32", "out_ptr": "*bf16", "total": "i32", "STAGES": "constexpr", "GATHER": "constexpr",
-           "B_KMAJOR": "constexpr"}
-    k, report = compile_sm90_report(_rows_kernel, sig, {"STAGES": STAGES, "GATHER": gather, "B_KMAJOR": b_kmajor},
-                                    ("tiles_ptr", "N", "K", "x_ptr", "src_ptr", "out_ptr"))
-    print(f"GATHER={gather} B_KMAJOR={b_kmajor}: shared {k.metadata.shared} B; "
+           "B_KMAJOR": "constexpr", "LW": "constexpr"}
+    k, report = compile_sm90_report(_rows_kernel, sig,
+                                    {"STAGES": STAGES, "GATHER": gather, "B_KMAJOR": b_kmajor, "LW": lw},
+                                    ("tiles_ptr", "N", "K", "x_ptr", "src_ptr", "out_ptr"), maxnreg=max_regs(lw))
+    print(f"GATHER={gather} B_KMAJOR={b_kmajor} LW={lw}: shared {k.metadata.shared} B; "
           f"wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{report}")
 
 
 def main():
     args = probe_args()
     if args.compile:
-        return [compile_sm90(g, km) for km in (True, False) for g in (False, True)]
+        return [compile_sm90(g, km, lw) for km in (True, False) for g, lw in ((False, 4), (True, 4), (True, 8))]
 
     from probe_gather_wgrad_gpu import routed_inputs
     from probe_gluon_wgrad_gpu import check_then_time, pad, padded_offsets, report_check
@@ -243,8 +250,8 @@ def main():
         torch.cuda.synchronize()
         report_check(f"{name:10s} {'coop 128x256, padded':22s}", padded[keep], want)
         del padded
-        gathered = {"coop 128x256, gathered": lambda: gluon_rows_coop(a, w, tiles, S, sms, src=routing.token,
-                                                                      b_kmajor=kmajor)}
+        gathered = {f"coop 128x256, gathered, {lw} lw": lambda lw=lw: gluon_rows_coop(
+            a, w, tiles, S, sms, src=routing.token, b_kmajor=kmajor, loader_warps=lw) for lw in (4, 8)}
         baselines = {"CUTLASS": lambda: grouped_mm(a_s), "expand + CUTLASS": lambda: grouped_mm(expand_rows(a, pos)),
                      "coop 128x256, padded": lambda: gluon_rows_coop(a_p, w, tiles_p, rows_p, sms, b_kmajor=kmajor)}
         check_then_time(name, gathered, want, baselines, args.seconds, flop, what=" of the routed rows")

@@ -11,7 +11,9 @@ a 4-warp cp.async loader: the loader's supply limited it (eighteenth session, be
 two consumers share each stage's gathered Q tile [64, 128], each multiplying its own 128 columns of P (two TMA
 boxes), so the gathered bytes per FLOP halve. Both consumers end a tile together, so the epilogue cannot
 overlap the other's K loop as in ping-pong; instead each writes its bf16 tile to a shared buffer and hands it to
-a TMA store, and waits for that store only before it reuses the buffer one tile later.
+a TMA store, and waits for that store only before it reuses the buffer one tile later. In case halving the
+gathered bytes per FLOP is not enough, the gathered variants also run with 8 loader warps (4 pieces a thread a
+stage instead of 8; 16 warps, so the partitions get 200 / 200 / 56 registers).
 
 The TMA variant needs the ping-pong probe's layout (each expert's rows padded to a multiple of 64, ``pad``, so no
 K step crosses two experts). The gathered variants need no padding: they run on the sorted tensors as moe_fuse
@@ -22,6 +24,7 @@ CUTLASS, expand + CUTLASS, this kernel on the padded copy (TMA) and gathered (cp
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -43,15 +46,15 @@ STAGES = 3  # a stage: P 2 x 16 KB + Q 16 KB; with the two 32 KB epilogue buffer
 
 
 @gluon.jit
-def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr):
+def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr, LW: gl.constexpr):
     """Each stage: P's two halves by TMA; Q by TMA of the padded copy, or (GATHER) its rows gathered through
-    cp.async by this 4-warp partition, every thread arriving on the stage when its pieces land."""
+    cp.async by this LW-warp partition, every thread arriving on the stage when its pieces land."""
     (p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, offp_ptr, M, num_m, num_n, total, q_ptr, src_ptr,
      stride_q, out_ptr) = p
     BLOCK_K: gl.constexpr = p_desc.block_type.shape[0]
     HALF_M: gl.constexpr = p_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = q_desc.block_type.shape[1]
-    gather: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte pieces, a row's in one warp
+    gather: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])  # 16-byte pieces, a row's in one warp
     per_e = num_m * num_n
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -137,35 +140,36 @@ def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.c
 
 @gluon.jit
 def _wgrad_kernel(p_desc, q_desc, out_desc, offp_ptr, M, num_m, num_n, total, q_ptr, src_ptr, stride_q, out_ptr,
-                  STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr):
+                  STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr, LW: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(p_desc.dtype, [2 * STAGES] + p_desc.block_type.shape, p_desc.layout)
     b_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     epi = gl.allocate_shared_memory(out_desc.dtype, [2 if EPI_TMA else 1] + out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1 + GATHER * 128)  # the TMA's arrival, and each gathering thread's
+        mbarrier.init(ready.index(s), count=1 + GATHER * 32 * LW)  # the TMA's arrival, and each gathering thread's
         mbarrier.init(empty.index(s), count=2)  # both consumers
     p = (p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, offp_ptr, M, num_m, num_n, total, q_ptr, src_ptr,
          stride_q, out_ptr)
     gl.warp_specialize([
         (_consume, (p, STAGES, GATHER, EPI_TMA, 0)),
         (_consume_second, (p, STAGES, GATHER, EPI_TMA)),
-        (_loader, (p, STAGES, GATHER, EPI_TMA)),
-    ], [4, 4], [200, 88] if GATHER else [232, 40])
+        (_loader, (p, STAGES, GATHER, EPI_TMA, LW)),
+    ], [4, LW], ([200, 88] if LW == 4 else [200, 56]) if GATHER else [232, 40])
 
 
 def _desc(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-def gluon_wgrad_coop(p, q, offp, E, sms, src=None, epi_tma=True):
+def gluon_wgrad_coop(p, q, offp, E, sms, src=None, epi_tma=True, loader_warps=4):
     """out [E, M, N] = P_e^T Q_e over each expert's rows [offp[e], offp[e + 1]). Without src, Q comes through TMA
     too, so each segment must start at a multiple of BK and hold whole BK steps (``pad``: zero rows). With src
     (int32 per row of P, -1 for a zero row), Q_e's rows are q[src], gathered and masked at the segment's end, so
     P can be the unpadded sorted tensor (what moe_fuse writes): the K step past an expert's end reads the next
     expert's P rows and multiplies them by zeros. M a multiple of 128. epi_tma: the epilogue through shared memory
-    and a TMA store, 3 stages; else stored from registers, 4 stages."""
+    and a TMA store, 3 stages; else stored from registers, 4 stages. loader_warps (gathering only): 4, or 8 for
+    twice the cp.async pieces in flight per stage (16 warps: the launch's 128 registers a thread, redistributed)."""
     M, N = p.shape[1], q.shape[1]
     if M % HALF or N % BN:
         raise ValueError(f"M={M} must be a multiple of {HALF} and N={N} of {BN}")
@@ -173,34 +177,44 @@ def gluon_wgrad_coop(p, q, offp, E, sms, src=None, epi_tma=True):
     num_m, num_n = -(-M // (2 * HALF)), N // BN
     total = E * num_m * num_n
     gather = src is not None
+    lw = loader_warps if gather else 4
+    if lw not in (4, 8):
+        raise ValueError(f"loader_warps must be 4 or 8, got {loader_warps}")
     q_desc = _desc(p[:, :BN] if gather else q, [BK, BN])  # unused when gathering: any descriptor of the block's type
     if q.stride(0) != N:
         raise ValueError("Q must be contiguous (its row stride is also the output's)")
     _wgrad_kernel[(min(sms, total),)](_desc(p, [BK, HALF]), q_desc, _desc(out.view(E * M, N), [HALF, BN]), offp, M,
                                       num_m, num_n, total, q, src if gather else offp, N, out,
-                                      STAGES if epi_tma else STAGES + 1, gather, epi_tma, num_warps=4, maxnreg=168)
+                                      STAGES if epi_tma else STAGES + 1, gather, epi_tma, lw,
+                                      num_warps=4, maxnreg=max_regs(lw))
     return out
 
 
-def compile_sm90(gather: bool, epi_tma: bool):
+def max_regs(loader_warps):
+    """The launch's registers a thread: 65536 over the kernel's 12 or 16 warps (the partitions then move them)."""
+    return 168 if loader_warps == 4 else 128
+
+
+def compile_sm90(gather: bool, epi_tma: bool, lw: int = 4):
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(1024, 256, dtype=torch.bfloat16)
     sig = {"p_desc": mangle_type(_desc(t, [BK, HALF])), "q_desc": mangle_type(_desc(t, [BK, BN])),
            "out_desc": mangle_type(_desc(t, [HALF, BN])), "offp_ptr": "*i32", "M": "i32", "num_m": "i32",
            "num_n": "i32", "total": "i32", "q_ptr": "*bf16", "src_ptr": "*i32", "stride_q": "i32", "out_ptr": "*bf16",
-           "STAGES": "constexpr", "GATHER": "constexpr", "EPI_TMA": "constexpr"}
-    constants = {"STAGES": STAGES if epi_tma else STAGES + 1, "GATHER": gather, "EPI_TMA": epi_tma}
+           "STAGES": "constexpr", "GATHER": "constexpr", "EPI_TMA": "constexpr", "LW": "constexpr"}
+    constants = {"STAGES": STAGES if epi_tma else STAGES + 1, "GATHER": gather, "EPI_TMA": epi_tma, "LW": lw}
     k, report = compile_sm90_report(_wgrad_kernel, sig, constants,
-                                    ("offp_ptr", "M", "q_ptr", "src_ptr", "stride_q", "out_ptr"))
-    print(f"GATHER={gather} EPI_TMA={epi_tma}: shared {k.metadata.shared} B; "
+                                    ("offp_ptr", "M", "q_ptr", "src_ptr", "stride_q", "out_ptr"), maxnreg=max_regs(lw))
+    regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])})
+    print(f"GATHER={gather} EPI_TMA={epi_tma} LW={lw}: setmaxnreg.dec {regs}; shared {k.metadata.shared} B; "
           f"wgmma {'wgmma.mma_async' in k.asm['ptx']}; TMA store {'cp.async.bulk.tensor.2d.global.shared' in k.asm['ptx']}\n{report}")
 
 
 def main():
     args = probe_args()
     if args.compile:
-        return [compile_sm90(g, t) for g in (False, True) for t in (True, False)]
+        return [compile_sm90(g, t, lw) for g, lw in ((False, 4), (True, 4), (True, 8)) for t in (True, False)]
 
     from probe_gluon_wgrad_gpu import check_then_time, gluon_wgrad, pad, wgrad_inputs
 
@@ -218,7 +232,10 @@ def main():
                 "ping-pong, gathered": lambda: gluon_wgrad(pp, q_src, offp, E, sms, src=src),
                 "coop 256, padded": lambda: gluon_wgrad_coop(pp, qp, offp, E, sms),
                 "coop 256, gathered": lambda: gluon_wgrad_coop(p, q_src, offs, E, sms, src=tok),
-                "coop 256, gathered, 4 st": lambda: gluon_wgrad_coop(p, q_src, offs, E, sms, src=tok, epi_tma=False)}
+                "coop 256, gathered, 4 st": lambda: gluon_wgrad_coop(p, q_src, offs, E, sms, src=tok, epi_tma=False),
+                "coop 256, gathered, 8 lw": lambda: gluon_wgrad_coop(p, q_src, offs, E, sms, src=tok, loader_warps=8),
+                "coop 256, gathered, 4 st, 8 lw": lambda: gluon_wgrad_coop(p, q_src, offs, E, sms, src=tok,
+                                                                           epi_tma=False, loader_warps=8)}
         check_then_time(name, ours, want, {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(q_src, pos),
                                                                                            cutlass())},
                         args.seconds, flop, lambda out: out.transpose(1, 2) if transposed else out)
