@@ -13,6 +13,8 @@ import itertools
 import json
 import logging
 import os
+import re
+import shutil
 import warnings
 from dataclasses import dataclass, field
 
@@ -25,6 +27,8 @@ log = logging.getLogger("moe_fuse")
 _graph_ids = itertools.count()
 _sinks: list[list] = []  # explain() collects reports here
 _warned: set[str] = set()
+_started_dirs: set[str] = set()  # debug folders this process has written to
+_DUMP_FILES = {"before.py", "after.py", "report.json", "summary.txt"}
 
 
 @dataclass
@@ -117,6 +121,7 @@ def emit(report: GraphReport, before: str, after: str, debug_dir: str | None):
             "artifact", metadata_fn=lambda name=name: {"name": name, "encoding": "string"}, payload_fn=lambda c=code: c
         )
     if debug_dir:
+        _start_afresh(debug_dir)
         folder = os.path.join(debug_dir, report.graph)
         os.makedirs(folder, exist_ok=True)
         for name, text in (("before.py", before), ("after.py", after), ("report.json", payload),
@@ -127,6 +132,31 @@ def emit(report: GraphReport, before: str, after: str, debug_dir: str | None):
             f.write(summary + "\n")
     for sink in _sinks:
         sink.append(report)
+
+
+def _start_afresh(debug_dir: str):
+    """This process's first dump into ``debug_dir`` removes the dumps an earlier run left there.
+
+    Graph numbers restart at graph_000 in every process, so an earlier run's folders would be overwritten
+    or, past this run's last number, mixed in with it, and ``summary.txt`` would list both runs. Only
+    moe_fuse's own files go: ``summary.txt`` and ``graph_NNN`` folders that hold nothing else."""
+    key = os.path.realpath(debug_dir)
+    if key in _started_dirs:
+        return
+    _started_dirs.add(key)
+    if not os.path.isdir(debug_dir):
+        return
+    removed = 0
+    for name in sorted(os.listdir(debug_dir)):
+        path = os.path.join(debug_dir, name)
+        if re.fullmatch(r"graph_\d{3,}", name) and os.path.isdir(path) and set(os.listdir(path)) <= _DUMP_FILES:
+            shutil.rmtree(path)
+            removed += 1
+    summary = os.path.join(debug_dir, "summary.txt")
+    if os.path.isfile(summary):
+        os.remove(summary)
+    if removed:
+        log.info("moe_fuse: removed %d graph folder(s) of an earlier run from %s", removed, debug_dir)
 
 
 # --------------------------------------------------------------------------- explain
