@@ -139,12 +139,14 @@ def _start_afresh(debug_dir: str):
 
     Graph numbers restart at graph_000 in every process, so an earlier run's folders would be overwritten
     or, past this run's last number, mixed in with it, and ``summary.txt`` would list both runs. Only
-    moe_fuse's own files go: ``summary.txt`` and ``graph_NNN`` folders that hold nothing else."""
+    moe_fuse's own files go: ``summary.txt`` and ``graph_NNN`` folders that hold nothing else. In a
+    distributed job nothing goes, since the other ranks may be writing to the same folder."""
     key = os.path.realpath(debug_dir)
     if key in _started_dirs:
         return
     _started_dirs.add(key)
-    if not os.path.isdir(debug_dir):
+    dist = torch.distributed
+    if not os.path.isdir(debug_dir) or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
     removed = 0
     for name in sorted(os.listdir(debug_dir)):

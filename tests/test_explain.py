@@ -96,3 +96,22 @@ def test_debug_dir_holds_this_run_only(tmp_path):
         assert (tmp_path / g / "report.json").exists()
     assert (tmp_path / "graph_001" / "mine.txt").read_text() == "a user's file"
     assert (tmp_path / "notes.txt").read_text() == "a user's file"
+
+
+def test_debug_dir_left_alone_in_a_distributed_job(tmp_path, monkeypatch):
+    """Ranks may share the folder: none of them removes what is there."""
+    from moe_fuse import debug
+
+    (tmp_path / "graph_000").mkdir()
+    (tmp_path / "graph_000" / "report.json").write_text("another rank's")
+    (tmp_path / "summary.txt").write_text("another rank's")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(debug, "_started_dirs", set())
+    debug._start_afresh(str(tmp_path))
+    assert (tmp_path / "graph_000" / "report.json").read_text() == "another rank's"
+    assert (tmp_path / "summary.txt").read_text() == "another rank's"
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)  # one rank: its own folder
+    monkeypatch.setattr(debug, "_started_dirs", set())
+    debug._start_afresh(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
