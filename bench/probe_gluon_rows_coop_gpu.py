@@ -15,7 +15,7 @@ so the gathered bytes per FLOP are half those of a 128 x 128 tile (and with 8 lo
 thread). Epilogue from registers (32 K steps a tile at
 H = 2048, so it weighs little).
 
-Tiles: 128 rows of one expert each (``tiles_of``: expert, first row, end row). The gathered variant runs on the
+Tiles: 128 rows of one expert each, from moe_fuse's tile map (``ragged_gemm.tile_map``, built on the device). The gathered variant runs on the
 unpadded sorted layout moe_fuse writes (rows past a tile's end gathered as zeros, not stored); the TMA variant
 reads a copy with each expert's rows padded to whole tiles (``pad``), its padding rows dropped before comparing.
 dgrad (dys @ W_down[e], W_down [E, H, I]: the weight tile's halves are column blocks, wgmma's B read N-major) is
@@ -53,8 +53,8 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexp
     """Each stage: the weight tile's two halves by TMA (row blocks of w [E, N, K], or with B_KMAJOR off column
     blocks of w [E, K, N]); A by TMA of the padded sorted copy, or (GATHER) its rows x[src] gathered through
     cp.async by this LW-warp partition, every thread arriving when its pieces land."""
-    (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr,
-     total) = p
+    a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr = p
+    total = gl.load(tiles_ptr) * num_n  # the tile map's M tiles (on the device) x N tiles
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     HALF: gl.constexpr = w_desc.block_type.shape[0] if B_KMAJOR else w_desc.block_type.shape[1]
@@ -62,9 +62,9 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexp
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
         m_tile = t // num_n
-        e = gl.load(tiles_ptr + m_tile)
-        r0 = gl.load(tiles_ptr + num_m + m_tile)
-        r1 = gl.load(tiles_ptr + 2 * num_m + m_tile)
+        e = gl.load(tiles_ptr + 1 + 3 * m_tile)
+        r0 = gl.load(tiles_ptr + 2 + 3 * m_tile)
+        r1 = gl.load(tiles_ptr + 3 + 3 * m_tile)
         n0 = (t % num_n) * (2 * HALF)
         if GATHER:
             rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
@@ -98,8 +98,8 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexp
 @gluon.jit
 def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, c: gl.constexpr):
     """Consumer c: output columns [n0 + c * HALF, n0 + (c + 1) * HALF) of every tile."""
-    (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr,
-     total) = p
+    a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr = p
+    total = gl.load(tiles_ptr) * num_n  # the tile map's M tiles (on the device) x N tiles
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     HALF: gl.constexpr = w_desc.block_type.shape[0] if B_KMAJOR else w_desc.block_type.shape[1]
@@ -108,8 +108,8 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constex
     n_k = gl.cdiv(K, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        r0 = gl.load(tiles_ptr + num_m + t // num_n)
-        r1 = gl.load(tiles_ptr + 2 * num_m + t // num_n)
+        r0 = gl.load(tiles_ptr + 2 + 3 * (t // num_n))
+        r1 = gl.load(tiles_ptr + 3 + 3 * (t // num_n))
         n0 = (t % num_n) * (2 * HALF) + c * HALF
         acc = gl.zeros((BLOCK_M, HALF), dtype=gl.float32, layout=layout)
         for kk in range(n_k):
@@ -138,7 +138,7 @@ def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.
 
 
 @gluon.jit
-def _rows_kernel(a_desc, w_desc, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr, total,
+def _rows_kernel(a_desc, w_desc, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr,
                  STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, LW: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -147,7 +147,7 @@ def _rows_kernel(a_desc, w_desc, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, 
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1 + GATHER * 32 * LW)  # the TMA's arrival, and each gathering thread's
         mbarrier.init(empty.index(s), count=2)  # both consumers
-    p = (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_m, num_n, N, K, x_ptr, src_ptr, out_ptr, total)
+    p = (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr)
     gl.warp_specialize([
         (_consume, (p, STAGES, GATHER, B_KMAJOR, 0)),
         (_consume_second, (p, STAGES, GATHER, B_KMAJOR)),
@@ -159,21 +159,9 @@ def _desc(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-def tiles_of(offsets, block_m=BM):
-    """[3, tiles] int32: each 128-row tile's expert, first row and end row over segments [offsets[e], offsets[e + 1])
-    (the last tile of an expert ends at its last row)."""
-    counts = (offsets[1:] - offsets[:-1]).long()
-    n = (counts + block_m - 1) // block_m
-    e = torch.repeat_interleave(torch.arange(counts.numel(), device=offsets.device), n)
-    first = torch.cumsum(n, 0) - n
-    j = torch.arange(int(n.sum()), device=offsets.device) - torch.repeat_interleave(first, n)
-    r0 = offsets[:-1].long()[e] + j * block_m
-    r1 = torch.minimum(r0 + block_m, offsets[1:].long()[e])
-    return torch.stack([e, r0, r1]).to(torch.int32).contiguous()
-
-
 def gluon_rows_coop(a, w, tiles, rows, sms, src=None, b_kmajor=True, loader_warps=4):
-    """out [rows, N] = A[r] @ B_e for the rows r of each tile (``tiles_of``); A = a (through TMA, so every tile
+    """out [rows, N] = A[r] @ B_e for the rows r of each tile of ``tiles`` (moe_fuse's ``ragged_gemm.tile_map`` with
+    128-row tiles: the tile count, then expert, first row, end row per tile, on the device); A = a (through TMA, so every tile
     must be whole: rows padded per expert), or with src (int32 per row) the gathered a[src], masked past each
     tile's end row: the unpadded sorted layout moe_fuse writes. B_e = w[e]^T for w [E, N, K] (b_kmajor: gate_up's
     W_gate_up) or w[e] for w [E, K, N] (dgrad's W_down); w contiguous, N a multiple of 256. loader_warps
@@ -187,15 +175,15 @@ def gluon_rows_coop(a, w, tiles, rows, sms, src=None, b_kmajor=True, loader_warp
     if N % (2 * HALF_N) or K % BK:
         raise ValueError(f"N={N} must be a multiple of {2 * HALF_N} and K={K} of {BK}")
     out = torch.empty(rows, N, dtype=a.dtype, device=a.device)
-    num_m, num_n = tiles.shape[1], N // (2 * HALF_N)
-    total = num_m * num_n
+    num_n = N // (2 * HALF_N)
+    bound = (tiles.numel() - 1) // 3  # the map's room: at least its tile count
     gather = src is not None
     lw = loader_warps if gather else 4
     if lw not in (4, 8):
         raise ValueError(f"loader_warps must be 4 or 8, got {loader_warps}")
     a_desc = _desc(w.view(-1, w.shape[-1]) if gather else a, [BM, BK])  # unused when gathering: any of its type
-    _rows_kernel[(min(sms, total),)](a_desc, w_desc, tiles, num_m, num_n, N, K, a, src if gather else tiles, out,
-                                     total, STAGES, gather, b_kmajor, lw, num_warps=4, maxnreg=max_regs(lw))
+    _rows_kernel[(min(sms, bound * num_n),)](a_desc, w_desc, tiles, num_n, N, K, a, src if gather else tiles, out,
+                                            STAGES, gather, b_kmajor, lw, num_warps=4, maxnreg=max_regs(lw))
     return out
 
 
@@ -205,8 +193,8 @@ def compile_sm90(gather: bool, b_kmajor: bool, lw: int = 4):
     t = torch.empty(1024, 256, dtype=torch.bfloat16)
     w_block = [HALF_N, BK] if b_kmajor else [BK, HALF_N]
     sig = {"a_desc": mangle_type(_desc(t, [BM, BK])), "w_desc": mangle_type(_desc(t, w_block)),
-           "tiles_ptr": "*i32", "num_m": "i32", "num_n": "i32", "N": "i32", "K": "i32", "x_ptr": "*bf16",
-           "src_ptr": "*i32", "out_ptr": "*bf16", "total": "i32", "STAGES": "constexpr", "GATHER": "constexpr",
+           "tiles_ptr": "*i32", "num_n": "i32", "N": "i32", "K": "i32", "x_ptr": "*bf16",
+           "src_ptr": "*i32", "out_ptr": "*bf16", "STAGES": "constexpr", "GATHER": "constexpr",
            "B_KMAJOR": "constexpr", "LW": "constexpr"}
     k, report = compile_sm90_report(_rows_kernel, sig,
                                     {"STAGES": STAGES, "GATHER": gather, "B_KMAJOR": b_kmajor, "LW": lw},
@@ -224,6 +212,9 @@ def main():
     from probe_gluon_wgrad_gpu import check_then_time, pad, padded_offsets, report_check
 
     from moe_fuse.kernels.permute import expand_rows
+    from moe_fuse.kernels.ragged_gemm import GPU_CONFIG, tile_map
+
+    assert GPU_CONFIG.block_m == BM
 
     H, I, E, k = SHAPES[args.shape]
     T, S, dev = args.tokens, args.tokens * k, "cuda"
@@ -236,7 +227,7 @@ def main():
     pos = routing.pos.view(T, k)
     offp, rows_p = padded_offsets(routing, BM, f"{args.shape} T={T}")
     keep = pad(torch.ones(S, 1, device=dev), routing.offsets, offp, rows_p).view(-1).bool()  # the padded rows' real ones
-    tiles_p, tiles = tiles_of(offp), tiles_of(routing.offsets)
+    tiles_p, tiles = tile_map(offp, rows_p), tile_map(routing.offsets, S)  # GPU_CONFIG's 128-row tiles = BM
     # the two readers of a sorted copy along M: gate_up (xs, W_gate_up [E, 2I, H]) and dgrad (dys, W_down [E, H, I])
     cases = {"gate_up": (x, w_gate_up, True, lambda a_s: torch._grouped_mm(a_s, w_gate_up.transpose(1, 2), offs=ends)),
              "dgrad": (dy, w_down, False, lambda a_s: torch._grouped_mm(a_s, w_down, offs=ends))}

@@ -86,7 +86,8 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr
 
 
 @gluon.jit
-def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr, c: gl.constexpr):
+def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr, TRANS_OUT: gl.constexpr,
+             c: gl.constexpr):
     """Consumer c: columns [c * HALF, (c + 1) * HALF) of every tile's 2 * HALF."""
     (p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, offp_ptr, M, num_m, num_n, total, q_ptr, src_ptr,
      stride_q, out_ptr) = p
@@ -95,6 +96,7 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexp
     BLOCK_N: gl.constexpr = q_desc.block_type.shape[1]
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 16])
+    trans: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BLOCK_N, HALF_M], 16 B along M
     per_e = num_m * num_n
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -116,7 +118,16 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexp
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=n_k > 0)
-        if EPI_TMA:
+        if TRANS_OUT:  # out [E, N, M]: the tile through its shared buffer, read back transposed, stored along M
+            gl.thread_barrier()  # every thread has read the buffer's tile before
+            epi.index(c).store(acc.to(gl.bfloat16))
+            gl.thread_barrier()
+            t_out = epi.index(c).permute((1, 0)).load(trans)
+            rm = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(0, trans))
+            rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, trans))
+            gl.store(out_ptr + (e.to(gl.int64) * stride_q + rn.to(gl.int64))[:, None] * M + rm[None, :], t_out,
+                     mask=(rm < M)[None, :])
+        elif EPI_TMA:
             tma.store_wait(0)  # this buffer's store of the tile before has read it
             gl.thread_barrier()
             epi.index(c).store(acc.to(gl.bfloat16))
@@ -134,13 +145,14 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexp
 
 
 @gluon.jit
-def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr):
-    _consume(p, STAGES, GATHER, EPI_TMA, 1)
+def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr, TRANS_OUT: gl.constexpr):
+    _consume(p, STAGES, GATHER, EPI_TMA, TRANS_OUT, 1)
 
 
 @gluon.jit
 def _wgrad_kernel(p_desc, q_desc, out_desc, offp_ptr, M, num_m, num_n, total, q_ptr, src_ptr, stride_q, out_ptr,
-                  STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr, LW: gl.constexpr):
+                  STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr, LW: gl.constexpr,
+                  TRANS_OUT: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(p_desc.dtype, [2 * STAGES] + p_desc.block_type.shape, p_desc.layout)
     b_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     epi = gl.allocate_shared_memory(out_desc.dtype, [2 if EPI_TMA else 1] + out_desc.block_type.shape, out_desc.layout)
@@ -152,8 +164,8 @@ def _wgrad_kernel(p_desc, q_desc, out_desc, offp_ptr, M, num_m, num_n, total, q_
     p = (p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, offp_ptr, M, num_m, num_n, total, q_ptr, src_ptr,
          stride_q, out_ptr)
     gl.warp_specialize([
-        (_consume, (p, STAGES, GATHER, EPI_TMA, 0)),
-        (_consume_second, (p, STAGES, GATHER, EPI_TMA)),
+        (_consume, (p, STAGES, GATHER, EPI_TMA, TRANS_OUT, 0)),
+        (_consume_second, (p, STAGES, GATHER, EPI_TMA, TRANS_OUT)),
         (_loader, (p, STAGES, GATHER, EPI_TMA, LW)),
     ], [4, LW], ([200, 88] if LW == 4 else [200, 56]) if GATHER else [232, 40])
 
@@ -162,18 +174,22 @@ def _desc(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-def gluon_wgrad_coop(p, q, offp, E, sms, src=None, epi_tma=True, loader_warps=4):
+def gluon_wgrad_coop(p, q, offp, E, sms, src=None, epi_tma=True, loader_warps=4, trans_out=False):
     """out [E, M, N] = P_e^T Q_e over each expert's rows [offp[e], offp[e + 1]). Without src, Q comes through TMA
     too, so each segment must start at a multiple of BK and hold whole BK steps (``pad``: zero rows). With src
     (int32 per row of P, -1 for a zero row), Q_e's rows are q[src], gathered and masked at the segment's end, so
     P can be the unpadded sorted tensor (what moe_fuse writes): the K step past an expert's end reads the next
     expert's P rows and multiplies them by zeros. M a multiple of 128. epi_tma: the epilogue through shared memory
     and a TMA store, 3 stages; else stored from registers, 4 stages. loader_warps (gathering only): 4, or 8 for
-    twice the cp.async pieces in flight per stage (16 warps: the launch's 128 registers a thread, redistributed)."""
+    twice the cp.async pieces in flight per stage (16 warps: the launch's 128 registers a thread, redistributed).
+    trans_out: out [E, N, M] (Q_e^T P_e: dW_down in W_down's layout, P = aw and Q = dy), each tile read back
+    transposed from its shared buffer (needs epi_tma's buffers) and stored along M."""
     M, N = p.shape[1], q.shape[1]
     if M % HALF or N % BN:
         raise ValueError(f"M={M} must be a multiple of {HALF} and N={N} of {BN}")
-    out = torch.empty(E, M, N, dtype=p.dtype, device=p.device)
+    if trans_out and not epi_tma:
+        raise ValueError("trans_out goes through the epilogue's shared buffers: epi_tma must be on")
+    out = torch.empty((E, N, M) if trans_out else (E, M, N), dtype=p.dtype, device=p.device)
     num_m, num_n = -(-M // (2 * HALF)), N // BN
     total = E * num_m * num_n
     gather = src is not None
@@ -183,9 +199,10 @@ def gluon_wgrad_coop(p, q, offp, E, sms, src=None, epi_tma=True, loader_warps=4)
     q_desc = _desc(p[:, :BN] if gather else q, [BK, BN])  # unused when gathering: any descriptor of the block's type
     if q.stride(0) != N:
         raise ValueError("Q must be contiguous (its row stride is also the output's)")
-    _wgrad_kernel[(min(sms, total),)](_desc(p, [BK, HALF]), q_desc, _desc(out.view(E * M, N), [HALF, BN]), offp, M,
+    out_desc = _desc(out.view(-1, out.shape[-1]), [HALF, BN])  # unused with trans_out: any of the block's type
+    _wgrad_kernel[(min(sms, total),)](_desc(p, [BK, HALF]), q_desc, out_desc, offp, M,
                                       num_m, num_n, total, q, src if gather else offp, N, out,
-                                      STAGES if epi_tma else STAGES + 1, gather, epi_tma, lw,
+                                      STAGES if epi_tma else STAGES + 1, gather, epi_tma, lw, trans_out,
                                       num_warps=4, maxnreg=max_regs(lw))
     return out
 
@@ -195,26 +212,32 @@ def max_regs(loader_warps):
     return 168 if loader_warps == 4 else 128
 
 
-def compile_sm90(gather: bool, epi_tma: bool, lw: int = 4):
+def compile_sm90(gather: bool, epi_tma: bool, lw: int = 4, trans_out: bool = False):
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(1024, 256, dtype=torch.bfloat16)
     sig = {"p_desc": mangle_type(_desc(t, [BK, HALF])), "q_desc": mangle_type(_desc(t, [BK, BN])),
            "out_desc": mangle_type(_desc(t, [HALF, BN])), "offp_ptr": "*i32", "M": "i32", "num_m": "i32",
            "num_n": "i32", "total": "i32", "q_ptr": "*bf16", "src_ptr": "*i32", "stride_q": "i32", "out_ptr": "*bf16",
-           "STAGES": "constexpr", "GATHER": "constexpr", "EPI_TMA": "constexpr", "LW": "constexpr"}
-    constants = {"STAGES": STAGES if epi_tma else STAGES + 1, "GATHER": gather, "EPI_TMA": epi_tma, "LW": lw}
+           "STAGES": "constexpr", "GATHER": "constexpr", "EPI_TMA": "constexpr", "LW": "constexpr",
+           "TRANS_OUT": "constexpr"}
+    constants = {"STAGES": STAGES if epi_tma else STAGES + 1, "GATHER": gather, "EPI_TMA": epi_tma, "LW": lw,
+                 "TRANS_OUT": trans_out}
     k, report = compile_sm90_report(_wgrad_kernel, sig, constants,
                                     ("offp_ptr", "M", "q_ptr", "src_ptr", "stride_q", "out_ptr"), maxnreg=max_regs(lw))
     regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])})
-    print(f"GATHER={gather} EPI_TMA={epi_tma} LW={lw}: setmaxnreg.dec {regs}; shared {k.metadata.shared} B; "
-          f"wgmma {'wgmma.mma_async' in k.asm['ptx']}; TMA store {'cp.async.bulk.tensor.2d.global.shared' in k.asm['ptx']}\n{report}")
+    print(f"GATHER={gather} EPI_TMA={epi_tma} LW={lw} TRANS_OUT={trans_out}: setmaxnreg.dec {regs}; "
+          f"shared {k.metadata.shared} B; wgmma {'wgmma.mma_async' in k.asm['ptx']}; "
+          f"TMA store {'cp.async.bulk.tensor.2d.global.shared' in k.asm['ptx']}\n{report}")
 
 
 def main():
     args = probe_args()
     if args.compile:
-        return [compile_sm90(g, t, lw) for g, lw in ((False, 4), (True, 4), (True, 8)) for t in (True, False)]
+        for g, lw in ((False, 4), (True, 4), (True, 8)):
+            for t in (True, False):
+                compile_sm90(g, t, lw)
+        return [compile_sm90(True, True, lw, trans_out=True) for lw in (4, 8)]
 
     from probe_gluon_wgrad_gpu import check_then_time, gluon_wgrad, pad, wgrad_inputs
 
@@ -236,6 +259,10 @@ def main():
                 "coop 256, gathered, 8 lw": lambda: gluon_wgrad_coop(p, q_src, offs, E, sms, src=tok, loader_warps=8),
                 "coop 256, gathered, 4 st, 8 lw": lambda: gluon_wgrad_coop(p, q_src, offs, E, sms, src=tok,
                                                                            epi_tma=False, loader_warps=8)}
+        if transposed:  # dW_down stored in W_down's layout, as the product would need it (a view back for the check)
+            for lw in (4, 8):
+                ours[f"coop 256, gathered, trans out, {lw} lw"] = lambda lw=lw: gluon_wgrad_coop(
+                    p, q_src, offs, E, sms, src=tok, loader_warps=lw, trans_out=True).transpose(1, 2)
         check_then_time(name, ours, want, {"CUTLASS": cutlass, "expand + CUTLASS": lambda: (expand_rows(q_src, pos),
                                                                                            cutlass())},
                         args.seconds, flop, lambda out: out.transpose(1, 2) if transposed else out)
