@@ -17,7 +17,8 @@ H = 2048, so it weighs little).
 
 Tiles: 128 rows of one expert each, from moe_fuse's tile map (``ragged_gemm.tile_map``, built on the device).
 The gathered variant runs on the unpadded sorted layout moe_fuse writes (rows past a tile's end gathered as
-zeros, not stored); the TMA variant reads a copy with each expert's rows padded to whole tiles (``pad``), its padding rows dropped before comparing.
+zeros, not stored); the TMA variant reads a copy with each expert's rows padded to whole tiles (``pad``), its
+padding rows dropped before comparing.
 dgrad (dys @ W_down[e], W_down [E, H, I]: the weight tile's halves are column blocks, wgmma's B read N-major) is
 the same kernel with ``b_kmajor=False``: with the weight-gradient probe's dW_down it sizes the readers of dys.
 Prints, per GEMM, the error against CUTLASS on the sorted copy and bitwise equality, then at the power cap ms and
@@ -163,9 +164,9 @@ def gluon_rows_coop(a, w, tiles, rows, sms, src=None, b_kmajor=True, loader_warp
     """out [rows, N] = A[r] @ B_e for the rows r of each tile of ``tiles`` (moe_fuse's ``ragged_gemm.tile_map``
     with 128-row tiles: the tile count, then expert, first row, end row per tile, on the device); A = a (through
     TMA, so every tile must be whole: rows padded per expert), or with src (int32 per row) the gathered a[src],
-    masked past each tile's end row: the unpadded sorted layout moe_fuse writes. B_e = w[e]^T for w [E, N, K] (b_kmajor: gate_up's
-    W_gate_up) or w[e] for w [E, K, N] (dgrad's W_down); w contiguous, N a multiple of 256. loader_warps
-    (gathering only): 4, or 8 for twice the cp.async pieces in flight per stage (``max_regs``)."""
+    masked past each tile's end row: the unpadded sorted layout moe_fuse writes. B_e = w[e]^T for w [E, N, K]
+    (b_kmajor: gate_up's W_gate_up) or w[e] for w [E, K, N] (dgrad's W_down); w contiguous, N a multiple of 256.
+    loader_warps (gathering only): 4, or 8 for twice the cp.async pieces in flight per stage (``max_regs``)."""
     if b_kmajor:
         E, N, K = w.shape
         w_desc = _desc(w.view(E * N, K), [HALF_N, BK])
