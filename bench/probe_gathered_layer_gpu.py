@@ -16,7 +16,8 @@ the L2 and the passes around them count too:
               dW_gate_up[e] = d_h_e^T x[tok_e] (gathered along K)
 
 with moe_fuse's routing, tile map, SwiGLU, dSwiGLU, down / dx GEMMs and combines as they are
-(``kernels/grouped_mm_path.py``). Against moe_fuse's step (forward keeping xs and aw, the three backward ops) and the
+(``kernels/grouped_mm_path.py``). A second form keeps the copies but has the gathering GEMMs write them as a
+by-product, for CUTLASS's weight gradients: no expand pass, and no GEMM reading a copy back along M. Against moe_fuse's step (forward keeping xs and aw, the three backward ops) and the
 same with ``keep_rows=False`` (the step that holds as little), it checks y and every gradient (bitwise and relative
 error), then times each at the cap, rounds in turn: ms and NVML mJ per step.
 
@@ -47,12 +48,14 @@ from moe_fuse.kernels.routing import route  # noqa: E402
 SHAPES = {"30b": (2048, 768, 128, 8)}  # H, I, E, k (Qwen3-30B-A3B)
 
 
-def gathered_step(x, ids, weights, w_gate_up, w_down, dy, gemms):
-    """(y, dx, d_weights, dW_gate_up, dW_down) of the experts op with no sorted copy of x or dy.
+def gathered_step(x, ids, weights, w_gate_up, w_down, dy, gemms, copies=False):
+    """(y, dx, d_weights, dW_gate_up, dW_down) of the experts op with no sorted copy of x or dy; with ``copies``,
+    the copies written by the GEMMs that gather (no expand pass, no GEMM reading them back) for CUTLASS's weight
+    gradients, as moe_fuse's.
 
-    gemms.rows(a, w, tiles, src, b_kmajor): out[p] = a[src[p]] @ B_e over the tile map's rows (B_e = w[e]^T with
-    b_kmajor, else w[e]); gemms.wgrad(p, q, routing, trans_out): [e] = p_e^T q[tok_e] ([E, M, N]), or with
-    trans_out its transpose, stored as [E, N, M]."""
+    gemms.rows(a, w, tiles, src, b_kmajor, copy): out[p] = a[src[p]] @ B_e over the tile map's rows (B_e = w[e]^T
+    with b_kmajor, else w[e]), and a[src] into ``copy`` unless None; gemms.wgrad(p, q, routing, trans_out): [e] =
+    p_e^T q[tok_e] ([E, M, N]), or with trans_out its transpose, stored as [E, N, M]."""
     T, k = ids.shape
     S, E = T * k, w_gate_up.shape[0]
     routing = route(ids, E)
@@ -60,19 +63,22 @@ def gathered_step(x, ids, weights, w_gate_up, w_down, dy, gemms):
     tiles = gmp._tiles(routing, S)  # the down and dx GEMMs' as in moe_fuse (None: torch's grouped GEMM)
     rows_tiles = tile_map(routing.offsets, S)  # the gathered GEMMs' (128-row tiles on the GPU)
     rw = weights.reshape(-1).contiguous()
-    h = gemms.rows(x, w_gate_up, rows_tiles, routing.token, True)
+    xs = x.new_empty(S, x.shape[1]) if copies else None
+    h = gemms.rows(x, w_gate_up, rows_tiles, routing.token, True, xs)
     aw = gmp.swiglu(h, routing, rw)
     o = gmp._row_gemm(aw, w_down, tiles, ends, w_kmajor=True)
     y = combine_sorted(o, pos, None, x.dtype, ids=ids, num_experts=E)
     del o
-    g = gemms.rows(dy, w_down, rows_tiles, routing.token, False)
-    d_wd = gemms.wgrad(aw, dy, routing, True)
+    dys = dy.new_empty(S, dy.shape[1]) if copies else None
+    g = gemms.rows(dy, w_down, rows_tiles, routing.token, False, dys)
+    d_wd = gmp._wgrad(dys, aw, ends, False) if copies else gemms.wgrad(aw, dy, routing, True)
+    del dys  # before dSwiGLU allocates d_h, as in moe_fuse
     dh, _, d_weights = dswiglu(g, h, rw, routing, weights.dtype, write_aw=False)
     del g, h
     o = gmp._row_gemm(dh, w_gate_up, tiles, ends, w_kmajor=False)
     dx = combine_sorted(o, pos, None, x.dtype, ids=ids, num_experts=E)
     del o
-    d_wgu = gemms.wgrad(dh, x, routing, False)
+    d_wgu = gmp._wgrad(dh, xs, ends, False) if copies else gemms.wgrad(dh, x, routing, False)
     return y, dx, d_weights.view(T, k), d_wgu, d_wd
 
 
@@ -90,8 +96,11 @@ def product_step(x, ids, weights, w_gate_up, w_down, dy, keep_rows=True):
 def stand_in_gemms():
     """What the two Gluon kernels compute, from moe_fuse's GEMMs on a gathered copy (any device, any dtype)."""
 
-    def rows(a, w, tiles, src, b_kmajor):
-        return gmp._row_gemm(a[src.long()], w, tiles, None, w_kmajor=b_kmajor)  # tiles: this routing's map
+    def rows(a, w, tiles, src, b_kmajor, copy):
+        gathered = a[src.long()]
+        if copy is not None:
+            copy.copy_(gathered)
+        return gmp._row_gemm(gathered, w, tiles, None, w_kmajor=b_kmajor)  # tiles: this routing's map
 
     def wgrad(p, q, routing, trans_out):
         qs = q[routing.token.long()]
@@ -112,8 +121,9 @@ def gluon_gemms(sms, loader_warps):
     from probe_gluon_rows_coop_gpu import gluon_rows_coop
     from probe_gluon_wgrad_coop_gpu import gluon_wgrad_coop
 
-    def rows(a, w, tiles, src, b_kmajor):
-        return gluon_rows_coop(a, w, tiles, src.numel(), sms, src=src, b_kmajor=b_kmajor, loader_warps=loader_warps)
+    def rows(a, w, tiles, src, b_kmajor, copy):
+        return gluon_rows_coop(a, w, tiles, src.numel(), sms, src=src, b_kmajor=b_kmajor, loader_warps=loader_warps,
+                               copy=copy)
 
     def wgrad(p, q, routing, trans_out):
         return gluon_wgrad_coop(p, q, routing.offsets, routing.counts.numel(), sms, src=routing.token,
@@ -153,6 +163,8 @@ def cpu_check():
     want = (y.detach(), *torch.autograd.grad(y, leaves, dy.double()))
     worst = 0.0
     for label, got in (("gathered (stand-ins)", gathered_step(x, ids, weights, w_gu, w_down, dy, stand_in_gemms())),
+                       ("gathered + copies (stand-ins)",
+                        gathered_step(x, ids, weights, w_gu, w_down, dy, stand_in_gemms(), copies=True)),
                        ("moe_fuse", product_step(x, ids, weights, w_gu, w_down, dy)),
                        ("moe_fuse, keep_rows off", product_step(x, ids, weights, w_gu, w_down, dy, keep_rows=False))):
         errs = [rel(g, w) for g, w in zip(got, want)]
@@ -185,6 +197,8 @@ def main():
         "moe_fuse, keep_rows off": lambda: product_step(x, ids, weights, w_gu, w_down, dy, keep_rows=False),
         **{f"gathered, {lw} loader warps": lambda lw=lw: gathered_step(x, ids, weights, w_gu, w_down, dy,
                                                                        gluon_gemms(sms, lw)) for lw in (4, 8)},
+        **{f"gathered + copies, {lw} loader warps": lambda lw=lw: gathered_step(
+            x, ids, weights, w_gu, w_down, dy, gluon_gemms(sms, lw), copies=True) for lw in (4, 8)},
     }
     want = steps["moe_fuse"]()
     for label, step in list(steps.items())[1:]:

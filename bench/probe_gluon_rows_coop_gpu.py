@@ -21,6 +21,9 @@ zeros, not stored); the TMA variant reads a copy with each expert's rows padded 
 padding rows dropped before comparing.
 dgrad (dys @ W_down[e], W_down [E, H, I]: the weight tile's halves are column blocks, wgmma's B read N-major) is
 the same kernel with ``b_kmajor=False``: with the weight-gradient probe's dW_down it sizes the readers of dys.
+A third variant writes the sorted copy as a by-product (``copy``: consumer 0 stores each gathered stage of a tile's
+first N tile while its MMA runs), for a step that keeps the copies for the weight gradients but drops the expand
+passes and the GEMMs' reads of the copies: "gathered + copy" against "expand + CUTLASS" sizes that.
 Prints, per GEMM, the error against CUTLASS on the sorted copy and bitwise equality, then at the power cap ms and
 NVML mJ per call of CUTLASS, expand + CUTLASS, and both variants.
 """
@@ -54,7 +57,7 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexp
     """Each stage: the weight tile's two halves by TMA (row blocks of w [E, N, K], or with B_KMAJOR off column
     blocks of w [E, K, N]); A by TMA of the padded sorted copy, or (GATHER) its rows x[src] gathered through
     cp.async by this LW-warp partition, every thread arriving when its pieces land."""
-    a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr = p
+    a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, copy_ptr = p
     total = gl.load(tiles_ptr) * num_n  # the tile map's M tiles (on the device) x N tiles
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -97,15 +100,18 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexp
 
 
 @gluon.jit
-def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, c: gl.constexpr):
-    """Consumer c: output columns [n0 + c * HALF, n0 + (c + 1) * HALF) of every tile."""
-    a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr = p
+def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, WRITE_A: gl.constexpr,
+             c: gl.constexpr):
+    """Consumer c: output columns [n0 + c * HALF, n0 + (c + 1) * HALF) of every tile. WRITE_A: consumer 0 also
+    stores each gathered A stage of a tile's first N tile to copy (the sorted copy, as a by-product)."""
+    a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, copy_ptr = p
     total = gl.load(tiles_ptr) * num_n  # the tile map's M tiles (on the device) x N tiles
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     HALF: gl.constexpr = w_desc.block_type.shape[0] if B_KMAJOR else w_desc.block_type.shape[1]
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, HALF, 16])
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BLOCK_M, BLOCK_K], 16 B a thread
     n_k = gl.cdiv(K, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -113,6 +119,10 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constex
         r1 = gl.load(tiles_ptr + 3 + 3 * (t // num_n))
         n0 = (t % num_n) * (2 * HALF) + c * HALF
         acc = gl.zeros((BLOCK_M, HALF), dtype=gl.float32, layout=layout)
+        if WRITE_A:
+            copy_rows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
+            copy_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
+            copy_here = (t % num_n) == 0
         for kk in range(n_k):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -122,6 +132,12 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constex
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(2 * s + c).permute((1, 0)), acc, is_async=True)
             else:  # already [BLOCK_K, HALF]
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(2 * s + c), acc, is_async=True)
+            if WRITE_A:  # while the MMA runs: the stage is held until this consumer frees it, a step later
+                if c == 0:
+                    if copy_here:
+                        a_tile = a_bufs.index(s).load(copy_layout)
+                        gl.store(copy_ptr + copy_rows.to(gl.int64)[:, None] * K + (kk * BLOCK_K + copy_cols)[None, :],
+                                 a_tile, mask=(copy_rows < r1)[:, None])
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
             it += 1
@@ -134,13 +150,14 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constex
 
 
 @gluon.jit
-def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr):
-    _consume(p, STAGES, GATHER, B_KMAJOR, 1)
+def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, WRITE_A: gl.constexpr):
+    _consume(p, STAGES, GATHER, B_KMAJOR, WRITE_A, 1)
 
 
 @gluon.jit
-def _rows_kernel(a_desc, w_desc, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr,
-                 STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, LW: gl.constexpr):
+def _rows_kernel(a_desc, w_desc, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, copy_ptr,
+                 STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, LW: gl.constexpr,
+                 WRITE_A: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -148,10 +165,10 @@ def _rows_kernel(a_desc, w_desc, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1 + GATHER * 32 * LW)  # the TMA's arrival, and each gathering thread's
         mbarrier.init(empty.index(s), count=2)  # both consumers
-    p = (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr)
+    p = (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, copy_ptr)
     gl.warp_specialize([
-        (_consume, (p, STAGES, GATHER, B_KMAJOR, 0)),
-        (_consume_second, (p, STAGES, GATHER, B_KMAJOR)),
+        (_consume, (p, STAGES, GATHER, B_KMAJOR, WRITE_A, 0)),
+        (_consume_second, (p, STAGES, GATHER, B_KMAJOR, WRITE_A)),
         (_loader, (p, STAGES, GATHER, B_KMAJOR, LW)),
     ], [4, LW], ([200, 88] if LW == 4 else [200, 56]) if GATHER else [232, 40])
 
@@ -160,13 +177,15 @@ def _desc(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-def gluon_rows_coop(a, w, tiles, rows, sms, src=None, b_kmajor=True, loader_warps=4):
+def gluon_rows_coop(a, w, tiles, rows, sms, src=None, b_kmajor=True, loader_warps=4, copy=None):
     """out [rows, N] = A[r] @ B_e for the rows r of each tile of ``tiles`` (moe_fuse's ``ragged_gemm.tile_map``
     with 128-row tiles: the tile count, then expert, first row, end row per tile, on the device); A = a (through
     TMA, so every tile must be whole: rows padded per expert), or with src (int32 per row) the gathered a[src],
     masked past each tile's end row: the unpadded sorted layout moe_fuse writes. B_e = w[e]^T for w [E, N, K]
     (b_kmajor: gate_up's W_gate_up) or w[e] for w [E, K, N] (dgrad's W_down); w contiguous, N a multiple of 256.
-    loader_warps (gathering only): 4, or 8 for twice the cp.async pieces in flight per stage (``max_regs``)."""
+    loader_warps (gathering only): 4, or 8 for twice the cp.async pieces in flight per stage (``max_regs``).
+    copy (gathering only): a [rows, K] tensor that receives the gathered rows (the sorted copy a[src]) as a
+    by-product, for the weight gradient that still reads it."""
     if b_kmajor:
         E, N, K = w.shape
         w_desc = _desc(w.view(E * N, K), [HALF_N, BK])
@@ -182,32 +201,38 @@ def gluon_rows_coop(a, w, tiles, rows, sms, src=None, b_kmajor=True, loader_warp
     lw = loader_warps if gather else 4
     if lw not in (4, 8):
         raise ValueError(f"loader_warps must be 4 or 8, got {loader_warps}")
+    if copy is not None and (not gather or tuple(copy.shape) != (rows, K) or not copy.is_contiguous()):
+        raise ValueError(f"copy: a contiguous [{rows}, {K}] tensor, with src (gathering)")
     a_desc = _desc(w.view(-1, w.shape[-1]) if gather else a, [BM, BK])  # unused when gathering: any of its type
     _rows_kernel[(min(sms, bound * num_n),)](a_desc, w_desc, tiles, num_n, N, K, a, src if gather else tiles, out,
-                                            STAGES, gather, b_kmajor, lw, num_warps=4, maxnreg=max_regs(lw))
+                                            out if copy is None else copy, STAGES, gather, b_kmajor, lw,
+                                            copy is not None, num_warps=4, maxnreg=max_regs(lw))
     return out
 
 
-def compile_sm90(gather: bool, b_kmajor: bool, lw: int = 4):
+def compile_sm90(gather: bool, b_kmajor: bool, lw: int = 4, write_a: bool = False):
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(1024, 256, dtype=torch.bfloat16)
     w_block = [HALF_N, BK] if b_kmajor else [BK, HALF_N]
     sig = {"a_desc": mangle_type(_desc(t, [BM, BK])), "w_desc": mangle_type(_desc(t, w_block)),
            "tiles_ptr": "*i32", "num_n": "i32", "N": "i32", "K": "i32", "x_ptr": "*bf16",
-           "src_ptr": "*i32", "out_ptr": "*bf16", "STAGES": "constexpr", "GATHER": "constexpr",
-           "B_KMAJOR": "constexpr", "LW": "constexpr"}
-    k, report = compile_sm90_report(_rows_kernel, sig,
-                                    {"STAGES": STAGES, "GATHER": gather, "B_KMAJOR": b_kmajor, "LW": lw},
-                                    ("tiles_ptr", "N", "K", "x_ptr", "src_ptr", "out_ptr"), maxnreg=max_regs(lw))
-    print(f"GATHER={gather} B_KMAJOR={b_kmajor} LW={lw}: shared {k.metadata.shared} B; "
+           "src_ptr": "*i32", "out_ptr": "*bf16", "copy_ptr": "*bf16", "STAGES": "constexpr", "GATHER": "constexpr",
+           "B_KMAJOR": "constexpr", "LW": "constexpr", "WRITE_A": "constexpr"}
+    k, report = compile_sm90_report(
+        _rows_kernel, sig, {"STAGES": STAGES, "GATHER": gather, "B_KMAJOR": b_kmajor, "LW": lw, "WRITE_A": write_a},
+        ("tiles_ptr", "N", "K", "x_ptr", "src_ptr", "out_ptr", "copy_ptr"), maxnreg=max_regs(lw))
+    print(f"GATHER={gather} B_KMAJOR={b_kmajor} LW={lw} WRITE_A={write_a}: shared {k.metadata.shared} B; "
           f"wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{report}")
 
 
 def main():
     args = probe_args()
     if args.compile:
-        return [compile_sm90(g, km, lw) for km in (True, False) for g, lw in ((False, 4), (True, 4), (True, 8))]
+        for km in (True, False):
+            for g, lw in ((False, 4), (True, 4), (True, 8)):
+                compile_sm90(g, km, lw)
+        return [compile_sm90(True, km, lw, write_a=True) for km in (True, False) for lw in (4, 8)]
 
     from probe_gather_wgrad_gpu import routed_inputs
     from probe_gluon_wgrad_gpu import check_then_time, pad, padded_offsets, report_check
@@ -244,6 +269,16 @@ def main():
         del padded
         gathered = {f"coop 128x256, gathered, {lw} lw": lambda lw=lw: gluon_rows_coop(
             a, w, tiles, S, sms, src=routing.token, b_kmajor=kmajor, loader_warps=lw) for lw in (4, 8)}
+        # the by-product: the sorted copy written by the GEMM that gathers it (the weight gradients still read it)
+        for lw in (4, 8):
+            copy = torch.full_like(a_s, float("nan"))
+            gluon_rows_coop(a, w, tiles, S, sms, src=routing.token, b_kmajor=kmajor, loader_warps=lw, copy=copy)
+            torch.cuda.synchronize()
+            print(f"  {name:10s} the copy written by the gathering GEMM ({lw} lw) bitwise expand_rows': "
+                  f"{torch.equal(copy, a_s)}", flush=True)
+            gathered[f"coop 128x256, gathered + copy, {lw} lw"] = lambda lw=lw: gluon_rows_coop(
+                a, w, tiles, S, sms, src=routing.token, b_kmajor=kmajor, loader_warps=lw, copy=torch.empty_like(a_s))
+        del copy
         baselines = {"CUTLASS": lambda: grouped_mm(a_s), "expand + CUTLASS": lambda: grouped_mm(expand_rows(a, pos)),
                      "coop 128x256, padded": lambda: gluon_rows_coop(a_p, w, tiles_p, rows_p, sms, b_kmajor=kmajor)}
         check_then_time(name, gathered, want, baselines, args.seconds, flop, what=" of the routed rows")

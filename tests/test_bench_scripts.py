@@ -126,15 +126,16 @@ def test_check_softcap_smoke(tmp_path):
 
 
 def test_probe_gathered_layer_cpu_check():
-    """bench/probe_gathered_layer_gpu.py --cpu-check: the step without sorted copies, its two Gluon GEMMs stood in by
-    what they compute, and moe_fuse's own step (both keep_rows settings) within fp32 rounding of float64 autograd."""
+    """bench/probe_gathered_layer_gpu.py --cpu-check: the step without sorted copies (and with them written by the
+    gathering GEMMs), its two Gluon GEMMs stood in by what they compute, and moe_fuse's own step (both keep_rows
+    settings) within fp32 rounding of float64 autograd."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "probe_gathered_layer_gpu.py"), "--cpu-check"],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if "rel err vs float64" in line]
     assert [line.split(":")[0].strip() for line in lines] == [
-        "gathered (stand-ins)", "moe_fuse", "moe_fuse, keep_rows off"]
+        "gathered (stand-ins)", "gathered + copies (stand-ins)", "moe_fuse", "moe_fuse, keep_rows off"]
     assert proc.stdout.rstrip().endswith("cpu check ok")
 
 
