@@ -17,9 +17,10 @@ the L2 and the passes around them count too:
 
 with moe_fuse's routing, tile map, SwiGLU, dSwiGLU, down / dx GEMMs and combines as they are
 (``kernels/grouped_mm_path.py``). A second form keeps the copies but has the gathering GEMMs write them as a
-by-product, for CUTLASS's weight gradients: no expand pass, and no GEMM reading a copy back along M. Against moe_fuse's step (forward keeping xs and aw, the three backward ops) and the
-same with ``keep_rows=False`` (the step that holds as little), it checks y and every gradient (bitwise and relative
-error), then times each at the cap, rounds in turn: ms and NVML mJ per step.
+by-product, for CUTLASS's weight gradients: no expand pass, and no GEMM reading a copy back along M. Against
+moe_fuse's step (forward keeping xs and aw, the three backward ops) and the same with ``keep_rows=False`` (the step
+that holds as little), it checks y and every gradient (bitwise and relative error), then times each at the cap,
+rounds in turn: ms and NVML mJ per step.
 
 ``--cpu-check``: the same composition on the CPU (Triton's interpreter, fp32, small shapes) with the two Gluon
 kernels stood in by what they compute (the product's GEMMs on a gathered copy), against float64 autograd of the
