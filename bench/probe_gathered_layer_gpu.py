@@ -118,13 +118,13 @@ def stand_in_gemms():
 
 
 def gluon_gemms(sms, loader_warps):
-    """The two probes' kernels, gathering with ``loader_warps`` loader warps."""
-    from probe_gluon_rows_coop_gpu import gluon_rows_coop
+    """The two Gluon kernels (moe_fuse's rows GEMM, the weight-gradient probe's), ``loader_warps`` gathering."""
     from probe_gluon_wgrad_coop_gpu import gluon_wgrad_coop
 
+    from moe_fuse.kernels.gluon_gathered import rows_gemm
+
     def rows(a, w, tiles, src, b_kmajor, copy):
-        return gluon_rows_coop(a, w, tiles, src.numel(), sms, src=src, b_kmajor=b_kmajor, loader_warps=loader_warps,
-                               copy=copy)
+        return rows_gemm(a, w, tiles, src.numel(), src=src, b_kmajor=b_kmajor, loader_warps=loader_warps, copy=copy)
 
     def wgrad(p, q, routing, trans_out):
         return gluon_wgrad_coop(p, q, routing.offsets, routing.counts.numel(), sms, src=routing.token,

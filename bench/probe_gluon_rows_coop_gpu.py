@@ -30,209 +30,45 @@ NVML mJ per call of CUTLASS, expand + CUTLASS, and both variants.
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probe_gather_wgrad_gpu import SHAPES  # noqa: E402  (H, I, E, k)
-from probe_gluon_wgrad_coop_gpu import max_regs  # noqa: E402
-from probe_gluon_wgrad_gpu import compile_sm90_report, probe_args  # noqa: E402
+from probe_gluon_wgrad_gpu import probe_args  # noqa: E402
 
-BM, HALF_N, BK = 128, 128, 64  # a tile: BM rows x 2 x HALF_N columns (one half per consumer)
-STAGES = 4  # a stage: A 16 KB + B 2 x 16 KB
-
-
-@gluon.jit
-def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, LW: gl.constexpr):
-    """Each stage: the weight tile's two halves by TMA (row blocks of w [E, N, K], or with B_KMAJOR off column
-    blocks of w [E, K, N]); A by TMA of the padded sorted copy, or (GATHER) its rows x[src] gathered through
-    cp.async by this LW-warp partition, every thread arriving when its pieces land."""
-    a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, copy_ptr = p
-    total = gl.load(tiles_ptr) * num_n  # the tile map's M tiles (on the device) x N tiles
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    HALF: gl.constexpr = w_desc.block_type.shape[0] if B_KMAJOR else w_desc.block_type.shape[1]
-    gather: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LW, 1], [1, 0])  # 16-byte pieces, a row's in 8 threads
-    it = 0
-    for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        m_tile = t // num_n
-        e = gl.load(tiles_ptr + 1 + 3 * m_tile)
-        r0 = gl.load(tiles_ptr + 2 + 3 * m_tile)
-        r1 = gl.load(tiles_ptr + 3 + 3 * m_tile)
-        n0 = (t % num_n) * (2 * HALF)
-        if GATHER:
-            rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
-            src = gl.load(src_ptr + r0 + rm, mask=r0 + rm < r1, other=-1)  # -1: a zero row (past the expert)
-            rows64 = src.to(gl.int64)[:, None] * K
-        for k0 in range(0, K, BLOCK_K):
-            s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            if GATHER:
-                mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
-            if B_KMAJOR:
-                tma.async_copy_global_to_shared(w_desc, [e * N + n0, k0], ready.index(s), b_bufs.index(2 * s))
-                tma.async_copy_global_to_shared(w_desc, [e * N + n0 + HALF, k0], ready.index(s),
-                                                b_bufs.index(2 * s + 1))
-            else:
-                tma.async_copy_global_to_shared(w_desc, [e * K + k0, n0], ready.index(s), b_bufs.index(2 * s))
-                tma.async_copy_global_to_shared(w_desc, [e * K + k0, n0 + HALF], ready.index(s),
-                                                b_bufs.index(2 * s + 1))
-            if GATHER:
-                cols = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
-                mask = (src >= 0)[:, None] & (cols < K)[None, :]
-                async_copy.async_copy_global_to_shared(a_bufs.index(s), x_ptr + rows64 + cols[None, :], mask=mask)
-                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
-            else:
-                tma.async_copy_global_to_shared(a_desc, [r0, k0], ready.index(s), a_bufs.index(s))
-            it += 1
-
-
-@gluon.jit
-def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, WRITE_A: gl.constexpr,
-             c: gl.constexpr):
-    """Consumer c: output columns [n0 + c * HALF, n0 + (c + 1) * HALF) of every tile. WRITE_A: consumer 0 also
-    stores each gathered A stage of a tile's first N tile to copy (the sorted copy, as a by-product)."""
-    a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, copy_ptr = p
-    total = gl.load(tiles_ptr) * num_n  # the tile map's M tiles (on the device) x N tiles
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    HALF: gl.constexpr = w_desc.block_type.shape[0] if B_KMAJOR else w_desc.block_type.shape[1]
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, HALF, 16])
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BLOCK_M, BLOCK_K], 16 B a thread
-    n_k = gl.cdiv(K, BLOCK_K)
-    it = 0
-    for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        r0 = gl.load(tiles_ptr + 2 + 3 * (t // num_n))
-        r1 = gl.load(tiles_ptr + 3 + 3 * (t // num_n))
-        n0 = (t % num_n) * (2 * HALF) + c * HALF
-        acc = gl.zeros((BLOCK_M, HALF), dtype=gl.float32, layout=layout)
-        if WRITE_A:
-            copy_rows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
-            copy_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
-            copy_here = (t % num_n) == 0
-        for kk in range(n_k):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            if GATHER:  # cp.async wrote A through the generic proxy; wgmma reads through the async one
-                fence_async_shared()
-            if B_KMAJOR:  # a [HALF, BLOCK_K] tile of w [E, N, K]: wgmma's B is its transpose
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(2 * s + c).permute((1, 0)), acc, is_async=True)
-            else:  # already [BLOCK_K, HALF]
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(2 * s + c), acc, is_async=True)
-            if WRITE_A:  # while the MMA runs: the stage is held until this consumer frees it, a step later
-                if c == 0:
-                    if copy_here:
-                        a_tile = a_bufs.index(s).load(copy_layout)
-                        gl.store(copy_ptr + copy_rows.to(gl.int64)[:, None] * K + (kk * BLOCK_K + copy_cols)[None, :],
-                                 a_tile, mask=(copy_rows < r1)[:, None])
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-        rows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        cols = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-        gl.store(out_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(gl.bfloat16),
-                 mask=(rows < r1)[:, None] & (cols < N)[None, :])
-
-
-@gluon.jit
-def _consume_second(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, WRITE_A: gl.constexpr):
-    _consume(p, STAGES, GATHER, B_KMAJOR, WRITE_A, 1)
-
-
-@gluon.jit
-def _rows_kernel(a_desc, w_desc, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, copy_ptr,
-                 STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, LW: gl.constexpr,
-                 WRITE_A: gl.constexpr):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1 + GATHER * 32 * LW)  # the TMA's arrival, and each gathering thread's
-        mbarrier.init(empty.index(s), count=2)  # both consumers
-    p = (a_desc, w_desc, a_bufs, b_bufs, ready, empty, tiles_ptr, num_n, N, K, x_ptr, src_ptr, out_ptr, copy_ptr)
-    gl.warp_specialize([
-        (_consume, (p, STAGES, GATHER, B_KMAJOR, WRITE_A, 0)),
-        (_consume_second, (p, STAGES, GATHER, B_KMAJOR, WRITE_A)),
-        (_loader, (p, STAGES, GATHER, B_KMAJOR, LW)),
-    ], [4, LW], ([200, 88] if LW == 4 else [200, 56]) if GATHER else [232, 40])
-
-
-def _desc(t, block):
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+from moe_fuse.kernels.gluon_gathered import BM, LAUNCHES, compile_sm90, rows_gemm  # noqa: E402
 
 
 def gluon_rows_coop(a, w, tiles, rows, sms, src=None, b_kmajor=True, loader_warps=4, copy=None):
-    """out [rows, N] = A[r] @ B_e for the rows r of each tile of ``tiles`` (moe_fuse's ``ragged_gemm.tile_map``
-    with 128-row tiles: the tile count, then expert, first row, end row per tile, on the device); A = a (through
-    TMA, so every tile must be whole: rows padded per expert), or with src (int32 per row) the gathered a[src],
-    masked past each tile's end row: the unpadded sorted layout moe_fuse writes. B_e = w[e]^T for w [E, N, K]
-    (b_kmajor: gate_up's W_gate_up) or w[e] for w [E, K, N] (dgrad's W_down); w contiguous, N a multiple of 256.
-    loader_warps (gathering only): 4, or 8 for twice the cp.async pieces in flight per stage (``max_regs``).
-    copy (gathering only): a [rows, K] tensor that receives the gathered rows (the sorted copy a[src]) as a
-    by-product, for the weight gradient that still reads it."""
-    if b_kmajor:
-        E, N, K = w.shape
-        w_desc = _desc(w.view(E * N, K), [HALF_N, BK])
-    else:
-        E, K, N = w.shape
-        w_desc = _desc(w.view(E * K, N), [BK, HALF_N])
-    if N % (2 * HALF_N) or K % BK:
-        raise ValueError(f"N={N} must be a multiple of {2 * HALF_N} and K={K} of {BK}")
-    out = torch.empty(rows, N, dtype=a.dtype, device=a.device)
-    num_n = N // (2 * HALF_N)
-    bound = (tiles.numel() - 1) // 3  # the map's room: at least its tile count
-    gather = src is not None
-    lw = loader_warps if gather else 4
-    if lw not in (4, 8):
-        raise ValueError(f"loader_warps must be 4 or 8, got {loader_warps}")
-    if copy is not None and (not gather or tuple(copy.shape) != (rows, K) or not copy.is_contiguous()):
-        raise ValueError(f"copy: a contiguous [{rows}, {K}] tensor, with src (gathering)")
-    a_desc = _desc(w.view(-1, w.shape[-1]) if gather else a, [BM, BK])  # unused when gathering: any of its type
-    _rows_kernel[(min(sms, bound * num_n),)](a_desc, w_desc, tiles, num_n, N, K, a, src if gather else tiles, out,
-                                            out if copy is None else copy, STAGES, gather, b_kmajor, lw,
-                                            copy is not None, num_warps=4, maxnreg=max_regs(lw))
-    return out
+    """``gluon_gathered.rows_gemm`` (the kernel lives in moe_fuse; sms: unused, the product reads the device's)."""
+    return rows_gemm(a, w, tiles, rows, src=src, b_kmajor=b_kmajor, loader_warps=loader_warps, copy=copy)
 
 
-def compile_sm90(gather: bool, b_kmajor: bool, lw: int = 4, write_a: bool = False):
-    from triton.runtime.jit import mangle_type
+def compile_report():
+    """Every launch compiled for sm90 (no GPU needed), with ptxas -v's registers and spills."""
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    t = torch.empty(1024, 256, dtype=torch.bfloat16)
-    w_block = [HALF_N, BK] if b_kmajor else [BK, HALF_N]
-    sig = {"a_desc": mangle_type(_desc(t, [BM, BK])), "w_desc": mangle_type(_desc(t, w_block)),
-           "tiles_ptr": "*i32", "num_n": "i32", "N": "i32", "K": "i32", "x_ptr": "*bf16",
-           "src_ptr": "*i32", "out_ptr": "*bf16", "copy_ptr": "*bf16", "STAGES": "constexpr", "GATHER": "constexpr",
-           "B_KMAJOR": "constexpr", "LW": "constexpr", "WRITE_A": "constexpr"}
-    k, report = compile_sm90_report(
-        _rows_kernel, sig, {"STAGES": STAGES, "GATHER": gather, "B_KMAJOR": b_kmajor, "LW": lw, "WRITE_A": write_a},
-        ("tiles_ptr", "N", "K", "x_ptr", "src_ptr", "out_ptr", "copy_ptr"), maxnreg=max_regs(lw))
-    print(f"GATHER={gather} B_KMAJOR={b_kmajor} LW={lw} WRITE_A={write_a}: shared {k.metadata.shared} B; "
-          f"wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{report}")
+    for gather, b_kmajor, lw, write_a in LAUNCHES:
+        k = compile_sm90(gather, b_kmajor, lw, write_a)
+        with tempfile.TemporaryDirectory() as d:
+            open(d + "/k.ptx", "w").write(k.asm["ptx"])
+            out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", d + "/k.ptx", "-o", d + "/k.cubin"],
+                                 capture_output=True, text=True)
+        print(f"GATHER={gather} B_KMAJOR={b_kmajor} LW={lw} WRITE_A={write_a}: shared {k.metadata.shared} B; "
+              f"wgmma {'wgmma.mma_async' in k.asm['ptx']}\n{out.stdout + out.stderr}")
 
 
 def main():
     args = probe_args()
     if args.compile:
-        for km in (True, False):
-            for g, lw in ((False, 4), (True, 4), (True, 8)):
-                compile_sm90(g, km, lw)
-        return [compile_sm90(True, km, lw, write_a=True) for km in (True, False) for lw in (4, 8)]
+        return compile_report()
 
     from probe_gather_wgrad_gpu import routed_inputs
     from probe_gluon_wgrad_gpu import check_then_time, pad, padded_offsets, report_check

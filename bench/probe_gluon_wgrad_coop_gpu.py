@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probe_gluon_wgrad_gpu import compile_sm90_report, probe_args  # noqa: E402
 
+from moe_fuse.kernels.gluon_gathered import max_regs  # noqa: E402  (the rows GEMM's: same warps)
+
 HALF, BN, BK = 128, 128, 64  # a tile: 2 x HALF of P's columns (one half per consumer) x BN of Q's
 STAGES = 3  # a stage: P 2 x 16 KB + Q 16 KB; with the two 32 KB epilogue buffers 208 KB of shared memory
 
@@ -205,11 +207,6 @@ def gluon_wgrad_coop(p, q, offp, E, sms, src=None, epi_tma=True, loader_warps=4,
                                       STAGES if epi_tma else STAGES + 1, gather, epi_tma, lw, trans_out,
                                       num_warps=4, maxnreg=max_regs(lw))
     return out
-
-
-def max_regs(loader_warps):
-    """The launch's registers a thread: 65536 over the kernel's 12 or 16 warps (the partitions then move them)."""
-    return 168 if loader_warps == 4 else 128
 
 
 def compile_sm90(gather: bool, epi_tma: bool, lw: int = 4, trans_out: bool = False):
