@@ -33,7 +33,7 @@ for launch in gluon_gathered.LAUNCHES:
         out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", d + "/k.ptx", "-o", d + "/k.cubin"],
                              capture_output=True, text=True, check=True)
     report.append(dict(launch=list(launch), shared=kernel.metadata.shared, wgmma="wgmma.mma_async" in ptx,
-                       setmaxnreg="setmaxnreg" in ptx, cp_async="cp.async.ca.shared" in ptx or "cp.async.cg.shared" in ptx,
+                       setmaxnreg="setmaxnreg" in ptx, cp_async=any(op in ptx for op in ("cp.async.ca", "cp.async.cg")),
                        ptxas=out.stdout + out.stderr))
 print(json.dumps(report))
 """

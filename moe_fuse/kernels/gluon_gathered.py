@@ -102,7 +102,7 @@ if HAVE_GLUON:
         HALF: gl.constexpr = w_desc.block_type.shape[0] if B_KMAJOR else w_desc.block_type.shape[1]
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HALF, 16])
-        copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BLOCK_M, BLOCK_K], 16 B a thread
+        copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BLOCK_M, BLOCK_K]: 16 B
         n_k = gl.cdiv(K, BLOCK_K)
         it = 0
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -127,8 +127,8 @@ if HAVE_GLUON:
                     if c == 0:
                         if copy_here:
                             a_tile = a_bufs.index(s).load(copy_layout)
-                            gl.store(copy_ptr + copy_rows.to(gl.int64)[:, None] * K + (kk * BLOCK_K + copy_cols)[None, :],
-                                     a_tile, mask=(copy_rows < r1)[:, None])
+                            copy_at = copy_rows.to(gl.int64)[:, None] * K + (kk * BLOCK_K + copy_cols)[None, :]
+                            gl.store(copy_ptr + copy_at, a_tile, mask=(copy_rows < r1)[:, None])
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
                 it += 1
@@ -222,7 +222,8 @@ def rows_gemm(a, w, tiles, rows: int, *, src=None, b_kmajor: bool = True, loader
 # (GATHER, B_KMAJOR, LW, WRITE_A) of every launch: through TMA or gathered, either weight layout, 4 or 8 loader
 # warps, with and without the copy
 LAUNCHES = tuple((g, km, lw, wa) for km in (True, False)
-                 for g, lw, wa in ((False, 4, False), (True, 4, False), (True, 8, False), (True, 4, True), (True, 8, True)))
+                 for g, lw, wa in ((False, 4, False), (True, 4, False), (True, 8, False), (True, 4, True),
+                                   (True, 8, True)))
 
 
 def compile_sm90(gather: bool, b_kmajor: bool, lw: int, write_a: bool):

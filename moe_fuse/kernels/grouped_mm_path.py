@@ -434,5 +434,5 @@ def _wgrad(p, q, ends, in_transposed: bool):
 
 
 __all__ = ["ENABLED", "GATHERED_LOADER_WARPS", "GATHERED_ROWS", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU",
-           "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "backward_down", "backward_gate_up", "backward_weight_gate_up",
-           "experts_backward", "experts_forward", "swiglu"]
+           "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "backward_down", "backward_gate_up",
+           "backward_weight_gate_up", "experts_backward", "experts_forward", "swiglu"]
