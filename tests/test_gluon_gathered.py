@@ -6,45 +6,15 @@ for sm90, fits in shared memory, and ptxas spills nothing; the wrapper refuses w
 problem; and grouped_mm_path's GATHERED_ROWS wiring (tests/test_grouped_mm_path.py) takes it where it applies.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from gluon_compile import H100_SHARED_BYTES, sm90_report
 from moe_fuse.kernels import gluon_gathered
-
-H100_SHARED_BYTES = 227 * 1024  # the most one block may use on sm90
-
-# In a process of its own, as tests/test_gluon_ragged.py: Gluon compiles fail once the interpreter has run here.
-_COMPILE_ALL = """
-import json, subprocess, sys, tempfile
-from triton.backends.nvidia.compiler import get_ptxas
-from moe_fuse.kernels import gluon_gathered
-report = []
-for launch in gluon_gathered.LAUNCHES:
-    kernel = gluon_gathered.compile_sm90(*launch)
-    ptx = kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as d:
-        open(d + "/k.ptx", "w").write(ptx)
-        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", d + "/k.ptx", "-o", d + "/k.cubin"],
-                             capture_output=True, text=True, check=True)
-    report.append(dict(launch=list(launch), shared=kernel.metadata.shared, wgmma="wgmma.mma_async" in ptx,
-                       setmaxnreg="setmaxnreg" in ptx, cp_async=any(op in ptx for op in ("cp.async.ca", "cp.async.cg")),
-                       ptxas=out.stdout + out.stderr))
-print(json.dumps(report))
-"""
 
 
 def test_every_launch_compiles_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", _COMPILE_ALL], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = sm90_report("gluon_gathered")
     assert [tuple(r["launch"]) for r in report] == list(gluon_gathered.LAUNCHES)
     for r in report:
         assert r["shared"] <= H100_SHARED_BYTES, r
