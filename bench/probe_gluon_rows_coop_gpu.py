@@ -8,12 +8,12 @@
 The other half of dropping the sorted copy xs (bench/KERNELS_NOTES.md, "the step's bytes read off the
 counters"): besides dW_gate_up (bench/probe_gluon_wgrad_coop_gpu.py), the forward's gate_up GEMM reads xs, and
 would have to gather x's rows itself. With Triton's pointer loads that was 5-8% slower (fourteenth session).
-Here, in Gluon: a 4-warp loader gathers the stage's A tile [128 rows, 64] with cp.async (each thread 8 16-byte
-pieces, arriving on the stage's barrier when they land) and issues the TMA loads of the weight tile's two halves
-([128, 64] each); the two consumer warpgroups share the gathered A and each multiplies its own 128 output columns,
-so the gathered bytes per FLOP are half those of a 128 x 128 tile (and with 8 loader warps, half the pieces a
-thread). Epilogue from registers (32 K steps a tile at
-H = 2048, so it weighs little).
+The kernel is moe_fuse's (``kernels/gluon_gathered.py``, behind ``grouped_mm_path.GATHERED_ROWS``), in Gluon: a
+4-warp loader gathers the stage's A tile [128 rows, 64] with cp.async (each thread 8 16-byte pieces, arriving on
+the stage's barrier when they land) and issues the TMA loads of the weight tile's two halves ([128, 64] each); the
+two consumer warpgroups share the gathered A and each multiplies its own 128 output columns, so the gathered bytes
+per FLOP are half those of a 128 x 128 tile (and with 8 loader warps, half the pieces a thread). Epilogue from
+registers (32 K steps a tile at H = 2048, so it weighs little).
 
 Tiles: 128 rows of one expert each, from moe_fuse's tile map (``ragged_gemm.tile_map``, built on the device).
 The gathered variant runs on the unpadded sorted layout moe_fuse writes (rows past a tile's end gathered as
@@ -46,11 +46,6 @@ from probe_gluon_wgrad_gpu import probe_args  # noqa: E402
 from moe_fuse.kernels.gluon_gathered import BM, LAUNCHES, compile_sm90, rows_gemm  # noqa: E402
 
 
-def gluon_rows_coop(a, w, tiles, rows, sms, src=None, b_kmajor=True, loader_warps=4, copy=None):
-    """``gluon_gathered.rows_gemm`` (the kernel lives in moe_fuse; sms: unused, the product reads the device's)."""
-    return rows_gemm(a, w, tiles, rows, src=src, b_kmajor=b_kmajor, loader_warps=loader_warps, copy=copy)
-
-
 def compile_report():
     """Every launch compiled for sm90 (no GPU needed), with ptxas -v's registers and spills."""
     from triton.backends.nvidia.compiler import get_ptxas
@@ -80,7 +75,6 @@ def main():
 
     H, I, E, k = SHAPES[args.shape]
     T, S, dev = args.tokens, args.tokens * k, "cuda"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     x, dy, _, _, routing = routed_inputs(H, I, E, k, T, dev)  # the other probes' inputs, the same draws
     gen = torch.Generator(device=dev).manual_seed(1)
     w_gate_up = (torch.randn(E, 2 * I, H, device=dev, generator=gen) * H**-0.5).to(torch.bfloat16)
@@ -99,24 +93,24 @@ def main():
         flop = 2 * S * w.shape[1] * w.shape[2]
         want = grouped_mm(a_s)
         # the padded variant's output holds padding rows: compared through `keep`, outside its timed call
-        padded = gluon_rows_coop(a_p, w, tiles_p, rows_p, sms, b_kmajor=kmajor)
+        padded = rows_gemm(a_p, w, tiles_p, rows_p, b_kmajor=kmajor)
         torch.cuda.synchronize()
         report_check(f"{name:10s} {'coop 128x256, padded':22s}", padded[keep], want)
         del padded
-        gathered = {f"coop 128x256, gathered, {lw} lw": lambda lw=lw: gluon_rows_coop(
-            a, w, tiles, S, sms, src=routing.token, b_kmajor=kmajor, loader_warps=lw) for lw in (4, 8)}
+        gathered = {f"coop 128x256, gathered, {lw} lw": lambda lw=lw: rows_gemm(
+            a, w, tiles, S, src=routing.token, b_kmajor=kmajor, loader_warps=lw) for lw in (4, 8)}
         # the by-product: the sorted copy written by the GEMM that gathers it (the weight gradients still read it)
         for lw in (4, 8):
             copy = torch.full_like(a_s, float("nan"))
-            gluon_rows_coop(a, w, tiles, S, sms, src=routing.token, b_kmajor=kmajor, loader_warps=lw, copy=copy)
+            rows_gemm(a, w, tiles, S, src=routing.token, b_kmajor=kmajor, loader_warps=lw, copy=copy)
             torch.cuda.synchronize()
             print(f"  {name:10s} the copy written by the gathering GEMM ({lw} lw) bitwise expand_rows': "
                   f"{torch.equal(copy, a_s)}", flush=True)
-            gathered[f"coop 128x256, gathered + copy, {lw} lw"] = lambda lw=lw: gluon_rows_coop(
-                a, w, tiles, S, sms, src=routing.token, b_kmajor=kmajor, loader_warps=lw, copy=torch.empty_like(a_s))
+            gathered[f"coop 128x256, gathered + copy, {lw} lw"] = lambda lw=lw: rows_gemm(
+                a, w, tiles, S, src=routing.token, b_kmajor=kmajor, loader_warps=lw, copy=torch.empty_like(a_s))
         del copy
         baselines = {"CUTLASS": lambda: grouped_mm(a_s), "expand + CUTLASS": lambda: grouped_mm(expand_rows(a, pos)),
-                     "coop 128x256, padded": lambda: gluon_rows_coop(a_p, w, tiles_p, rows_p, sms, b_kmajor=kmajor)}
+                     "coop 128x256, padded": lambda: rows_gemm(a_p, w, tiles_p, rows_p, b_kmajor=kmajor)}
         check_then_time(name, gathered, want, baselines, args.seconds, flop, what=" of the routed rows")
         del a_s, a_p
 
