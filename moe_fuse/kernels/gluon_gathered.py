@@ -29,12 +29,12 @@ try:  # triton >= 3.5 ships Gluon; without it nothing here is used
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
+from .gluon_ragged import _desc
 from .ragged_gemm import GPU_CONFIG, _sm_count
 
 BM, HALF_N, BK = GPU_CONFIG.block_m, 128, 64  # a tile: the tile map's 128 rows x 2 x HALF_N columns
@@ -162,9 +162,6 @@ if HAVE_GLUON:
             (_consume_second, (p, STAGES, GATHER, B_KMAJOR, WRITE_A)),
             (_loader, (p, STAGES, GATHER, B_KMAJOR, LW)),
         ], [4, LW], ([200, 88] if LW == 4 else [200, 56]) if GATHER else [232, 40])
-
-    def _desc(t, block):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
 def runs_on(a: torch.Tensor) -> bool:
