@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probe_gluon_wgrad_gpu import compile_sm90_report, probe_args  # noqa: E402
 
-from moe_fuse.kernels.gluon_gathered import max_regs  # noqa: E402  (the rows GEMM's: same warps)
+from moe_fuse.kernels.gluon_gathered import gather_stage, max_regs  # noqa: E402  (the rows GEMM's)
 
 HALF, BN, BK = 128, 128, 64  # a tile: 2 x HALF of P's columns (one half per consumer) x BN of Q's
 STAGES = 3  # a stage: P 2 x 16 KB + Q 16 KB; with the two 32 KB epilogue buffers 208 KB of shared memory
@@ -78,10 +77,8 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr
                 rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, gather))
                 src = gl.load(src_ptr + r0 + rk, mask=r0 + rk < hi, other=-1)  # -1: a zero row
                 cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gather))
-                ptrs = q_ptr + src.to(gl.int64)[:, None] * stride_q + cols[None, :]
-                mask = (src >= 0)[:, None] & (cols < stride_q)[None, :]
-                async_copy.async_copy_global_to_shared(b_bufs.index(s), ptrs, mask=mask)
-                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+                gather_stage(b_bufs.index(s), ready.index(s), q_ptr + src.to(gl.int64) * stride_q, src >= 0, cols,
+                             stride_q)
             else:
                 tma.async_copy_global_to_shared(q_desc, [r0, n0], ready.index(s), b_bufs.index(s))
             it += 1

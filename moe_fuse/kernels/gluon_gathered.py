@@ -44,6 +44,15 @@ STAGES = 4  # a stage: A 16 KB + B 2 x 16 KB
 if HAVE_GLUON:
 
     @gluon.jit
+    def gather_stage(buf, bar, row_ptrs, row_ok, cols, n_cols):
+        """One gathered stage: buf[i, j] = row_ptrs[i][cols[j]] by cp.async, zeros where not row_ok[i] or cols[j] >=
+        n_cols; then this thread's arrival on bar, counted when its copies land (``mbarrier_arrive`` without
+        increment: the barrier's count must include every thread of the gathering partition)."""
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        async_copy.async_copy_global_to_shared(buf, row_ptrs[:, None] + cols[None, :], mask=mask)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+
+    @gluon.jit
     def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, B_KMAJOR: gl.constexpr, LW: gl.constexpr):
         """Each stage: the weight tile's two halves by TMA (row blocks of w [E, N, K], or with B_KMAJOR off column
         blocks of w [E, K, N]); A by TMA of the padded sorted copy, or (GATHER) its rows x[src] gathered through
@@ -64,7 +73,7 @@ if HAVE_GLUON:
             if GATHER:
                 rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
                 src = gl.load(src_ptr + r0 + rm, mask=r0 + rm < r1, other=-1)  # -1: a zero row (past the expert)
-                rows64 = src.to(gl.int64)[:, None] * K
+                row_ptrs = x_ptr + src.to(gl.int64) * K
             for k0 in range(0, K, BLOCK_K):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -82,9 +91,7 @@ if HAVE_GLUON:
                                                     b_bufs.index(2 * s + 1))
                 if GATHER:
                     cols = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
-                    mask = (src >= 0)[:, None] & (cols < K)[None, :]
-                    async_copy.async_copy_global_to_shared(a_bufs.index(s), x_ptr + rows64 + cols[None, :], mask=mask)
-                    async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+                    gather_stage(a_bufs.index(s), ready.index(s), row_ptrs, src >= 0, cols, K)
                 else:
                     tma.async_copy_global_to_shared(a_desc, [r0, k0], ready.index(s), a_bufs.index(s))
                 it += 1
@@ -244,4 +251,4 @@ def compile_sm90(gather: bool, b_kmajor: bool, lw: int, write_a: bool):
                           options={"num_warps": 4, "maxnreg": max_regs(lw)})
 
 
-__all__ = ["HAVE_GLUON", "LAUNCHES", "compile_sm90", "max_regs", "rows_gemm", "runs_on", "suits"]
+__all__ = ["HAVE_GLUON", "LAUNCHES", "compile_sm90", "gather_stage", "max_regs", "rows_gemm", "runs_on", "suits"]
