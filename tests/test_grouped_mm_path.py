@@ -338,3 +338,57 @@ def test_gathered_rows_switch(name, keep_rows, monkeypatch):
         assert expands == ([] if keep_rows else [True])  # dW_gate_up's copy of x, gathered again without keep_rows
     else:
         assert not calls and expands == [True, False] + ([] if keep_rows else [True])
+
+
+@pytest.mark.parametrize("stored", ["contiguous", "transposed"])
+@pytest.mark.parametrize("name", ["uneven_fp32", "ep_sentinels_fp32", "all_on_one_expert"])
+def test_gluon_wgrad_switch(name, stored, monkeypatch):
+    """GLUON_WGRAD: both weight gradients through gluon_wgrad.wgrad(p, q, offsets), P^T Q over each expert's rows
+    [offsets[e], offsets[e + 1]) (for weights stored transposed, Q^T P, transposed back). Gluon does not run here:
+    the kernel is stood in by that definition, a loop over the experts, so the gradients must match the default
+    path's (CUTLASS's) and every other result must be bitwise the same."""
+    from moe_fuse.kernels import gluon_wgrad
+
+    T, k, E, H, I, dtype, mode = CASES[name]
+    x, ids, weights, w_gate_up, w_down = make_case(T, k, E, H, I, dtype, mode, seed=11)
+    if stored == "transposed":
+        w_gate_up, w_down = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_gate_up, w_down))
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    calls = []
+
+    def stand_in(p, q, offsets):
+        calls.append((p.shape[1], q.shape[1]))
+        assert offsets.dtype == torch.int32 and offsets.numel() == E + 1 and int(offsets[0]) == 0
+        out = torch.full((E, p.shape[1], q.shape[1]), float("nan"), dtype=p.dtype)
+        for e in range(E):
+            lo, hi = int(offsets[e]), int(offsets[e + 1])
+            out[e] = p[lo:hi].t() @ q[lo:hi]
+        return out
+
+    monkeypatch.setattr(gluon_wgrad, "wgrad", stand_in)
+    monkeypatch.setattr(gluon_wgrad, "runs_on", lambda p, q: True)
+    monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 9)
+
+    def step():
+        y, h, routing, xs, aw = grouped_mm_path.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=True,
+                                                                keep_rows=True)
+        dh, d_weights, d_wd = grouped_mm_path.backward_down(dy, ids, weights, w_down, h, routing, aw)
+        dx, _ = grouped_mm_path.backward_gate_up(dh, x, ids, w_gate_up, routing)
+        d_wgu = grouped_mm_path.backward_weight_gate_up(dh, x, ids, w_gate_up, routing, xs)
+        return (y, dx, d_weights), (d_wgu, d_wd)
+
+    want_rest, want_w = step()
+    assert not calls
+    monkeypatch.setattr(grouped_mm_path, "GLUON_WGRAD", True)
+    got_rest, got_w = step()
+    # dW_down = dys^T aw, then dW_gate_up = d_h^T xs (stored transposed: aw^T dys and xs^T d_h)
+    assert calls == ([(H, I), (2 * I, H)] if stored == "contiguous" else [(I, H), (H, 2 * I)])
+    for g, w in zip(got_rest, want_rest):
+        assert torch.equal(g, w)
+    for g, w in zip(got_w, want_w):
+        assert g.shape == w.shape and g.stride() == w.stride()
+        assert rel_err(g, w) < 1e-6
+    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", T * k + 1)  # fewer routed rows than the threshold
+    calls.clear()
+    step()
+    assert not calls

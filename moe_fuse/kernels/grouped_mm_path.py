@@ -44,6 +44,7 @@ from ..reference import gated, limit_in, softcaps
 from ._jit import cdiv, interpreting, lazy_jit
 from . import gluon_gathered
 from . import gluon_ragged
+from . import gluon_wgrad
 from . import transposed
 from . import ungated
 from .backward import bias_operands, check_saved_h, dswiglu, expert_sums
@@ -75,6 +76,10 @@ GLUON_DSWIGLU = False
 # not yet run on a GPU: off. GATHERED_LOADER_WARPS: its gathering partition's warps, 4 or 8.
 GATHERED_ROWS = False
 GATHERED_LOADER_WARPS = 4
+# On sm90, from RAGGED_MIN_ROWS routed rows up, the two weight gradients through the cooperative Gluon kernel
+# (kernels/gluon_wgrad.py, same bits as torch._grouped_mm) instead of CUTLASS. sm90 only: its warpgroup MMAs do
+# not exist on later architectures.
+GLUON_WGRAD = False
 _CAPABILITY: dict = {}
 
 
@@ -93,12 +98,16 @@ def applies(x, w_gate_up, w_down, *others) -> bool:
         return False
     if not all(t.dtype == torch.bfloat16 for t in (x, w_gate_up, w_down, *others)):
         return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    major = _CAPABILITY.get(index)
-    if major is None:
-        major = _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
     H, I = w_down.shape[1], w_down.shape[2]
-    return major >= 9 and H % 8 == 0 and I % 8 == 0
+    return _major(x.device) >= 9 and H % 8 == 0 and I % 8 == 0
+
+
+def _major(device) -> int:
+    """The CUDA device's compute capability major, asked once per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
+    return _CAPABILITY[index]
 
 
 @lazy_jit
@@ -375,7 +384,7 @@ def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swi
         # d_h bitwise the unfused pass's; d_weights summed over 128-column partials (fixed order)
         dys = expand_rows(dy, routing.pos.view(T, k))
         dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
-        return dh, d_weights.view(T, k), _wgrad(dys, aw, ends, transposed(w_down))
+        return dh, d_weights.view(T, k), _wgrad(dys, aw, routing.offsets, transposed(w_down))
     if _gathers(tiles, dy, w_down, w_kmajor=False):  # the GEMM gathers dy's rows and writes dys, dW_down's operand
         g, dys = _gathered_gemm(dy, w_down, tiles, routing, w_kmajor=False, copy=True)
     else:
@@ -383,7 +392,7 @@ def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swi
         g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
     d_wd = None
     if aw is not None:
-        d_wd = _wgrad(dys, aw, ends, transposed(w_down))
+        d_wd = _wgrad(dys, aw, routing.offsets, transposed(w_down))
         del dys
     if gated(activation):
         dh, aw_now, d_weights = dswiglu(
@@ -395,7 +404,7 @@ def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swi
                                              activation=activation)
     del g
     if d_wd is None:
-        d_wd = _wgrad(dys, aw_now, ends, transposed(w_down))
+        d_wd = _wgrad(dys, aw_now, routing.offsets, transposed(w_down))
     return dh, d_weights.view(T, k), d_wd
 
 
@@ -422,17 +431,21 @@ def backward_weight_gate_up(dh, x, ids, w_gate_up, routing: Routing, xs=None):
     T, k = ids.shape
     if xs is None:
         xs = expand_rows(x, routing.pos.view(T, k))
-    return _wgrad(dh, xs, routing.offsets[1:], transposed(w_gate_up))
+    return _wgrad(dh, xs, routing.offsets, transposed(w_gate_up))
 
 
-def _wgrad(p, q, ends, in_transposed: bool):
+def _wgrad(p, q, offsets, in_transposed: bool):
     """[E, M, N] with [e] = p[rows of e]^T q[rows of e] (p [S, M], q [S, N]); with ``in_transposed`` computed as
     the contiguous [E, N, M] of q^T p and returned as its transpose: the layout of weights stored transposed."""
     if in_transposed:
-        return torch._grouped_mm(q.t(), p, offs=ends).transpose(1, 2)
-    return torch._grouped_mm(p.t(), q, offs=ends)
+        p, q = q, p
+    if GLUON_WGRAD and p.shape[0] >= RAGGED_MIN_ROWS and gluon_wgrad.runs_on(p, q) and _major(p.device) == 9:
+        out = gluon_wgrad.wgrad(p, q, offsets)
+    else:
+        out = torch._grouped_mm(p.t(), q, offs=offsets[1:])
+    return out.transpose(1, 2) if in_transposed else out
 
 
-__all__ = ["ENABLED", "GATHERED_LOADER_WARPS", "GATHERED_ROWS", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU",
+__all__ = ["ENABLED", "GATHERED_LOADER_WARPS", "GATHERED_ROWS", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU", "GLUON_WGRAD",
            "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "backward_down", "backward_gate_up",
            "backward_weight_gate_up", "experts_backward", "experts_forward", "swiglu"]
