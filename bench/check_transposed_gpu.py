@@ -97,8 +97,8 @@ def gemm_times(T, rounds=3):
         "down": lambda g, d: gp._row_gemm(aw, d, tiles, ends, w_kmajor=True),
         "dgrad": lambda g, d: gp._row_gemm(dys, d, tiles, ends, w_kmajor=False),
         "dx": lambda g, d: gp._row_gemm(dh, g, tiles, ends, w_kmajor=False),
-        "dW_gate_up": lambda g, d: gp._wgrad(dh, xs, ends, gp.transposed(g)),
-        "dW_down": lambda g, d: gp._wgrad(dys, aw, ends, gp.transposed(d)),
+        "dW_gate_up": lambda g, d: gp._wgrad(dh, xs, routing.offsets, gp.transposed(g)),
+        "dW_down": lambda g, d: gp._wgrad(dys, aw, routing.offsets, gp.transposed(d)),
     }
     print(f"  T={T}, each GEMM alone ({'ragged_gemm' if tiles is not None else 'torch._grouped_mm'} for the "
           f"row-ragged ones), ms contiguous / transposed:")

@@ -72,14 +72,14 @@ def gathered_step(x, ids, weights, w_gate_up, w_down, dy, gemms, copies=False):
     del o
     dys = dy.new_empty(S, dy.shape[1]) if copies else None
     g = gemms.rows(dy, w_down, rows_tiles, routing.token, False, dys)
-    d_wd = gmp._wgrad(dys, aw, ends, False) if copies else gemms.wgrad(aw, dy, routing, True)
+    d_wd = gmp._wgrad(dys, aw, routing.offsets, False) if copies else gemms.wgrad(aw, dy, routing, True)
     del dys  # before dSwiGLU allocates d_h, as in moe_fuse
     dh, _, d_weights = dswiglu(g, h, rw, routing, weights.dtype, write_aw=False)
     del g, h
     o = gmp._row_gemm(dh, w_gate_up, tiles, ends, w_kmajor=False)
     dx = combine_sorted(o, pos, None, x.dtype, ids=ids, num_experts=E)
     del o
-    d_wgu = gmp._wgrad(dh, xs, ends, False) if copies else gemms.wgrad(dh, x, routing, False)
+    d_wgu = gmp._wgrad(dh, xs, routing.offsets, False) if copies else gemms.wgrad(dh, x, routing, False)
     return y, dx, d_weights.view(T, k), d_wgu, d_wd
 
 
