@@ -118,10 +118,10 @@ def stand_in_gemms():
 
 
 def gluon_gemms(sms, loader_warps):
-    """The two Gluon kernels (moe_fuse's rows GEMM, the weight-gradient probe's), ``loader_warps`` gathering."""
+    """The two Gluon kernels (bench/gluon_gathered.py's rows GEMM, the weight-gradient probe's), ``loader_warps`` gathering."""
     from probe_gluon_wgrad_coop_gpu import gluon_wgrad_coop
 
-    from moe_fuse.kernels.gluon_gathered import rows_gemm
+    from gluon_gathered import rows_gemm
 
     def rows(a, w, tiles, src, b_kmajor, copy):
         return rows_gemm(a, w, tiles, src.numel(), src=src, b_kmajor=b_kmajor, loader_warps=loader_warps, copy=copy)

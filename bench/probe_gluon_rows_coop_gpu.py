@@ -8,7 +8,7 @@
 The other half of dropping the sorted copy xs (bench/KERNELS_NOTES.md, "the step's bytes read off the
 counters"): besides dW_gate_up (bench/probe_gluon_wgrad_coop_gpu.py), the forward's gate_up GEMM reads xs, and
 would have to gather x's rows itself. With Triton's pointer loads that was 5-8% slower (fourteenth session).
-The kernel is moe_fuse's (``kernels/gluon_gathered.py``, behind ``grouped_mm_path.GATHERED_ROWS``), in Gluon: a
+The kernel is ``bench/gluon_gathered.py``'s, in Gluon: a
 4-warp loader gathers the stage's A tile [128 rows, 64] with cp.async (each thread 8 16-byte pieces, arriving on
 the stage's barrier when they land) and issues the TMA loads of the weight tile's two halves ([128, 64] each); the
 two consumer warpgroups share the gathered A and each multiplies its own 128 output columns, so the gathered bytes
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from probe_gather_wgrad_gpu import SHAPES  # noqa: E402  (H, I, E, k)
 from probe_gluon_wgrad_gpu import probe_args  # noqa: E402
 
-from moe_fuse.kernels.gluon_gathered import BM, LAUNCHES, compile_sm90, rows_gemm  # noqa: E402
+from gluon_gathered import BM, LAUNCHES, compile_sm90, rows_gemm  # noqa: E402
 
 
 def compile_report():

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probe_gluon_wgrad_gpu import compile_sm90_report, probe_args  # noqa: E402
 
-from moe_fuse.kernels.gluon_gathered import gather_stage, max_regs  # noqa: E402  (the rows GEMM's)
+from gluon_gathered import gather_stage, max_regs  # noqa: E402  (the rows GEMM's)
 
 HALF, BN, BK = 128, 128, 64  # a tile: 2 x HALF of P's columns (one half per consumer) x BN of Q's
 STAGES = 3  # a stage: P 2 x 16 KB + Q 16 KB; with the two 32 KB epilogue buffers 208 KB of shared memory

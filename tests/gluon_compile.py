@@ -16,7 +16,8 @@ H100_SHARED_BYTES = 227 * 1024  # the most one block may use on sm90
 _SCRIPT = """
 import json, subprocess, sys, tempfile
 from triton.backends.nvidia.compiler import get_ptxas
-from moe_fuse.kernels import {module} as m
+import importlib
+m = importlib.import_module("{module}")
 report = []
 for launch in m.LAUNCHES:
     kernel = m.compile_sm90(*launch)
@@ -33,10 +34,12 @@ print(json.dumps(report))
 
 
 def sm90_report(module: str) -> list[dict]:
-    """Each launch of ``moe_fuse.kernels.<module>.LAUNCHES`` through its ``compile_sm90`` and ptxas -v: the launch,
-    its shared bytes, whether the PTX has warpgroup MMAs, setmaxnreg and cp.async, and ptxas's report."""
+    """Each launch of ``<module>.LAUNCHES`` (a dotted module name; bench/ is on the path too) through its
+    ``compile_sm90`` and ptxas -v: the launch, its shared bytes, whether the PTX has warpgroup MMAs, setmaxnreg and
+    cp.async, and ptxas's report."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "bench"), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", _SCRIPT.format(module=module)], capture_output=True, text=True,
                          env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -1,16 +1,21 @@
-"""kernels/gluon_gathered.py on a machine without a GPU.
+"""bench/gluon_gathered.py (the gathered row GEMMs the probes run) on a machine without a GPU.
 
 Gluon has no interpreter, so the kernel's results are checked on the H200 only (bench/probe_gluon_rows_coop_gpu.py:
 bitwise against CUTLASS on the sorted copy, and the copy it writes against expand_rows). Here: every launch compiles
-for sm90, fits in shared memory, and ptxas spills nothing; the wrapper refuses what it cannot run, naming the
-problem; and grouped_mm_path's GATHERED_ROWS wiring (tests/test_grouped_mm_path.py) takes it where it applies.
+for sm90, fits in shared memory, and ptxas spills nothing; and the wrapper refuses what it cannot run, naming the
+problem.
 """
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from gluon_compile import H100_SHARED_BYTES, sm90_report
-from moe_fuse.kernels import gluon_gathered
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gluon_gathered  # noqa: E402
 
 
 def test_every_launch_compiles_for_sm90_without_spills():

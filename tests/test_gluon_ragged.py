@@ -15,7 +15,7 @@ from moe_fuse.kernels import gluon_ragged
 
 
 def test_every_launch_compiles_for_sm90_without_spills():
-    report = sm90_report("gluon_ragged")
+    report = sm90_report("moe_fuse.kernels.gluon_ragged")
     assert [r["launch"] for r in report] == [list(launch) for launch in gluon_ragged.LAUNCHES]
     for r in report:
         assert r["shared"] <= H100_SHARED_BYTES, r

@@ -14,7 +14,7 @@ from moe_fuse.kernels import gluon_wgrad
 
 
 def test_compiles_for_sm90_without_spills():
-    (r,) = sm90_report("gluon_wgrad")
+    (r,) = sm90_report("moe_fuse.kernels.gluon_wgrad")
     assert r["shared"] <= H100_SHARED_BYTES, r
     assert r["wgmma"] and r["setmaxnreg"] and not r["cp_async"], r  # TMA loads only
     assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], r

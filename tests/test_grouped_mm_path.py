@@ -287,59 +287,6 @@ def test_forward_drops_what_it_does_not_return_once_read(save_h, keep_rows, monk
     assert rel_err(y, ref64(*args)) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("keep_rows", [True, False])
-@pytest.mark.parametrize("name", ["uneven_fp32", "ep_sentinels_fp32"])
-def test_gathered_rows_switch(name, keep_rows, monkeypatch):
-    """GATHERED_ROWS: gate_up and dgrad take their A rows from x and dy through gluon_gathered's kernel, which writes
-    the sorted copy only where a weight gradient reads it, and the expand pass runs only for what is left (dW_gate_up
-    without keep_rows). Gluon does not run here: its kernel is stood in by what it computes (the same ragged GEMM on
-    the gathered rows), so every result must be the default path's bit for bit."""
-    from moe_fuse.kernels import gluon_gathered
-
-    T, k, E, H, I, dtype, mode = CASES[name]
-    args = make_case(T, k, E, H, I, dtype, mode, seed=3)
-    x, ids, weights, w_gate_up, w_down = args
-    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEVICE)
-    calls, expands = [], []
-
-    def stand_in(a, w, tiles, rows, *, src, b_kmajor, loader_warps, copy):
-        calls.append(("x" if a is x else "dy" if a is dy else "?", b_kmajor, copy is not None))
-        assert loader_warps == grouped_mm_path.GATHERED_LOADER_WARPS and rows == src.numel()
-        gathered = a[src.long()]
-        if copy is not None:
-            copy.copy_(gathered)
-        return grouped_mm_path.ragged_gemm(gathered, w, tiles, b_kmajor=b_kmajor)
-
-    real_expand = grouped_mm_path.expand_rows
-    monkeypatch.setattr(grouped_mm_path, "expand_rows", lambda t, *a, **kw: expands.append(t is x) or real_expand(
-        t, *a, **kw))
-    monkeypatch.setattr(gluon_gathered, "rows_gemm", stand_in)
-    monkeypatch.setattr(gluon_gathered, "runs_on", lambda a: True)
-    monkeypatch.setattr(gluon_gathered, "suits", lambda N, K: True)
-
-    def step():
-        y, h, routing, *kept = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=keep_rows)
-        xs, aw = kept or (None, None)
-        dh, d_weights, d_wd = grouped_mm_path.backward_down(dy, ids, weights, w_down, h, routing, aw)
-        dx, _ = grouped_mm_path.backward_gate_up(dh, x, ids, w_gate_up, routing)
-        d_wgu = grouped_mm_path.backward_weight_gate_up(dh, x, ids, w_gate_up, routing, xs)
-        routed = int(routing.offsets[-1])
-        return (y, h[:routed], dh[:routed], dx, d_weights, d_wgu, d_wd) + ((xs[:routed],) if keep_rows else ())
-
-    want = step()
-    assert not calls and expands == [True, False] + ([] if keep_rows else [True])
-    monkeypatch.setattr(grouped_mm_path, "GATHERED_ROWS", True)
-    expands.clear()
-    got = step()
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
-    if grouped_mm_path.RAGGED_TRITON:  # where the row GEMMs run ragged_gemm (tile map), they gather
-        assert calls == [("x", True, keep_rows), ("dy", False, True)]
-        assert expands == ([] if keep_rows else [True])  # dW_gate_up's copy of x, gathered again without keep_rows
-    else:
-        assert not calls and expands == [True, False] + ([] if keep_rows else [True])
-
-
 @pytest.mark.parametrize("stored", ["contiguous", "transposed"])
 @pytest.mark.parametrize("name", ["uneven_fp32", "ep_sentinels_fp32", "all_on_one_expert"])
 def test_gluon_wgrad_switch(name, stored, monkeypatch):

@@ -24,9 +24,6 @@ on the 30B layer.
               dW_gate_up[e] = d_h[e]^T xs[e];  dW_down[e] = dys[e]^T aw[e];  d_bias[e] = sum of d_h[e]
               o' = d_h @ W_gate_up[e]              [S, H];  dx[t] = sum_j o'[pos[t, j]]
 
-With ``GATHERED_ROWS`` (off; not yet run on a GPU) the gate_up and dgrad GEMMs gather x[tok] and dy[tok] themselves
-(``gluon_gathered``) and write xs and dys beside their products only where a weight gradient reads them.
-
 Experts without a gate (``reference.UNGATED``: Nemotron-H) take the same steps with W_up [E, I, H] in place of
 W_gate_up, h [S, I], and the passes of ``ungated.py`` in place of SwiGLU and dSwiGLU.
 
@@ -42,7 +39,6 @@ import triton.language as tl
 
 from ..reference import gated, limit_in, softcaps
 from ._jit import cdiv, interpreting, lazy_jit
-from . import gluon_gathered
 from . import gluon_ragged
 from . import gluon_wgrad
 from . import transposed
@@ -70,12 +66,6 @@ RAGGED_MIN_ROWS = 65536
 GLUON = False
 GLUON_SWIGLU = False
 GLUON_DSWIGLU = False
-# Where ragged_gemm applies, the forward's gate_up and the backward's dgrad can gather their A rows (x[tok], dy[tok])
-# inside a Gluon GEMM that writes the sorted copy beside it where one is kept (kernels/gluon_gathered.py): no expand
-# pass, and no GEMM reading the copy back; with keep_rows off the forward never writes xs. Compiled for sm90 only,
-# not yet run on a GPU: off. GATHERED_LOADER_WARPS: its gathering partition's warps, 4 or 8.
-GATHERED_ROWS = False
-GATHERED_LOADER_WARPS = 4
 # On sm90, from RAGGED_MIN_ROWS routed rows up, the two weight gradients through the cooperative Gluon kernel
 # (kernels/gluon_wgrad.py, same bits as torch._grouped_mm) instead of CUTLASS. sm90 only: its warpgroup MMAs do
 # not exist on later architectures.
@@ -232,24 +222,6 @@ def _row_gemm(a, w, tiles, ends, *, w_kmajor):
     return torch._grouped_mm(a, w.transpose(1, 2) if w_kmajor else w, offs=ends)
 
 
-def _gathers(tiles, a, w, *, w_kmajor: bool) -> bool:
-    """Whether a GEMM of a's rows gathered (a[tok] @ W[e], W as ``_row_gemm``'s) runs ``gluon_gathered``'s kernel."""
-    if not (GATHERED_ROWS and tiles is not None and gluon_gathered.runs_on(a) and a.is_contiguous()
-            and w.is_contiguous()):
-        return False
-    N, K = (w.shape[1], w.shape[2]) if w_kmajor else (w.shape[2], w.shape[1])
-    return gluon_gathered.suits(N, K)
-
-
-def _gathered_gemm(a, w, tiles, routing: Routing, *, w_kmajor: bool, copy: bool):
-    """(a[tok] @ W[e], the sorted copy a[tok] or None): the GEMM gathers the rows and, with ``copy``, writes them."""
-    S = routing.token.numel()
-    rows = a.new_empty(S, a.shape[1]) if copy else None
-    out = gluon_gathered.rows_gemm(a, w, tiles, S, src=routing.token, b_kmajor=w_kmajor,
-                                   loader_warps=GATHERED_LOADER_WARPS, copy=rows)
-    return out, rows
-
-
 def _fused(switch: bool, tiles, N: int, K: int, w) -> bool:
     """Whether a GEMM of B[e] [K, N] runs the Gluon kernel with its pass in the epilogue (w: the expert weights,
     contiguous: the kernel's descriptors are for that layout)."""
@@ -288,16 +260,12 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     # What is not returned is dropped once read (xs after the gate_up GEMM, h without save_h after the
     # activation): the forward without h then never holds xs, h and aw at once.
     swiglu_in_gemm = plain and _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2], w_gate_up)
-    if not swiglu_in_gemm and _gathers(tiles, x, w_gate_up, w_kmajor=True):
-        # the GEMM gathers x's rows itself, and writes them sorted only where they are kept
-        h, kept_xs = _gathered_gemm(x, w_gate_up, tiles, routing, w_kmajor=True, copy=save_h and keep_rows)
+    xs = expand_rows(x, routing.pos.view(T, k))  # = x[routing.token], reading x once
+    kept_xs = xs if save_h and keep_rows else None
+    if swiglu_in_gemm:
+        h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # the pass's bits
     else:
-        xs = expand_rows(x, routing.pos.view(T, k))  # = x[routing.token], reading x once
-        kept_xs = xs if save_h and keep_rows else None
-        if swiglu_in_gemm:
-            h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # the pass's bits
-        else:
-            h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
+        h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
         del xs
     if not swiglu_in_gemm:
         if gated(activation):
@@ -385,11 +353,8 @@ def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swi
         dys = expand_rows(dy, routing.pos.view(T, k))
         dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
         return dh, d_weights.view(T, k), _wgrad(dys, aw, routing.offsets, transposed(w_down))
-    if _gathers(tiles, dy, w_down, w_kmajor=False):  # the GEMM gathers dy's rows and writes dys, dW_down's operand
-        g, dys = _gathered_gemm(dy, w_down, tiles, routing, w_kmajor=False, copy=True)
-    else:
-        dys = expand_rows(dy, routing.pos.view(T, k))
-        g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
+    dys = expand_rows(dy, routing.pos.view(T, k))
+    g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
     d_wd = None
     if aw is not None:
         d_wd = _wgrad(dys, aw, routing.offsets, transposed(w_down))
@@ -446,6 +411,6 @@ def _wgrad(p, q, offsets, in_transposed: bool):
     return out.transpose(1, 2) if in_transposed else out
 
 
-__all__ = ["ENABLED", "GATHERED_LOADER_WARPS", "GATHERED_ROWS", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU", "GLUON_WGRAD",
+__all__ = ["ENABLED", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU", "GLUON_WGRAD",
            "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "backward_down", "backward_gate_up",
            "backward_weight_gate_up", "experts_backward", "experts_forward", "swiglu"]

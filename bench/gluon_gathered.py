@@ -10,13 +10,12 @@ consumer 0 also stores the gathered A stages of a tile's first N tile to ``copy`
 as a by-product, for the weight gradients that still read it, without an expand pass and without a GEMM reading
 the copy back.
 
-Why: at 30B T=16384 the layer step is energy-bound at the H200's 700 W cap, and the sorted copies xs and dys are
-the step's largest byte cut left (bench/KERNELS_NOTES.md). Status: compiled for sm90 on the CPU only (no spills,
-tests/test_gluon_gathered.py); not yet run on a GPU. ``grouped_mm_path.GATHERED_ROWS`` (off) puts it in the
-training path, and bench/probe_gluon_rows_coop_gpu.py sizes it against CUTLASS.
-
-Gluon has no interpreter; the Triton kernels it stands in for (``expand_rows`` + ``ragged_gemm``) are its tested CPU
-twin.
+Why it was written: at 30B T=16384 the layer step is energy-bound at the H200's 700 W cap, and the sorted copies xs
+and dys were the step's largest byte cut left. Measured on the H200 (2026-12-05, bench/KERNELS_NOTES.md): bitwise
+equal to CUTLASS, but a gathered GEMM costs about what expand + CUTLASS costs, and the step without copies took
++0.11 to +0.21 J. So it left moe_fuse for bench/, where the probes (probe_gluon_rows_coop_gpu.py,
+probe_gathered_layer_gpu.py, probe_gluon_wgrad_coop_gpu.py's ``gather_stage``) keep that record reproducible.
+CI compiles its launches for sm90 (tests/test_gluon_gathered.py).
 """
 
 from __future__ import annotations
@@ -34,8 +33,8 @@ try:  # triton >= 3.5 ships Gluon; without it nothing here is used
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
-from .gluon_ragged import _desc
-from .ragged_gemm import GPU_CONFIG, _sm_count
+from moe_fuse.kernels.gluon_ragged import _desc
+from moe_fuse.kernels.ragged_gemm import GPU_CONFIG, _sm_count
 
 BM, HALF_N, BK = GPU_CONFIG.block_m, 128, 64  # a tile: the tile map's 128 rows x 2 x HALF_N columns
 STAGES = 4  # a stage: A 16 KB + B 2 x 16 KB
@@ -172,7 +171,7 @@ if HAVE_GLUON:
 
 
 def runs_on(a: torch.Tensor) -> bool:
-    """Gluon is installed and a is a bf16 CUDA tensor (grouped_mm_path's callers have checked sm90)."""
+    """Gluon is installed and a is a bf16 CUDA tensor (callers check sm90)."""
     return HAVE_GLUON and a.is_cuda and a.dtype == torch.bfloat16
 
 
