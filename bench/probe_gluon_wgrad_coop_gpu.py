@@ -42,6 +42,8 @@ from probe_gluon_wgrad_gpu import compile_sm90_report, probe_args  # noqa: E402
 
 from gluon_gathered import gather_stage, max_regs  # noqa: E402  (the rows GEMM's)
 
+from moe_fuse.kernels.gluon_wgrad import store_tile, tile_of  # noqa: E402  (the product kernel's)
+
 HALF, BN, BK = 128, 128, 64  # a tile: 2 x HALF of P's columns (one half per consumer) x BN of Q's
 STAGES = 3  # a stage: P 2 x 16 KB + Q 16 KB; with the two 32 KB epilogue buffers 208 KB of shared memory
 
@@ -59,11 +61,7 @@ def _loader(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexpr
     per_e = num_m * num_n
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        e = t // per_e
-        m0 = (t % per_e) // num_n * (2 * HALF_M)
-        n0 = (t % num_n) * BLOCK_N
-        lo = gl.load(offp_ptr + e)
-        hi = gl.load(offp_ptr + e + 1)
+        e, m0, n0, lo, hi = tile_of(t, offp_ptr, num_n, per_e, HALF_M, BLOCK_N)
         for r0 in range(lo, hi, BLOCK_K):  # the last step may run past hi: its gathered rows are zeros
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -99,11 +97,8 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexp
     per_e = num_m * num_n
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        e = t // per_e
-        m0 = (t % per_e) // num_n * (2 * HALF_M) + c * HALF_M
-        n0 = (t % num_n) * BLOCK_N
-        lo = gl.load(offp_ptr + e)
-        hi = gl.load(offp_ptr + e + 1)
+        e, m0, n0, lo, hi = tile_of(t, offp_ptr, num_n, per_e, HALF_M, BLOCK_N)
+        m0 += c * HALF_M
         n_k = gl.cdiv(hi - lo, BLOCK_K)
         acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=layout)
         for kk in range(n_k):
@@ -126,14 +121,8 @@ def _consume(p, STAGES: gl.constexpr, GATHER: gl.constexpr, EPI_TMA: gl.constexp
             rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, trans))
             gl.store(out_ptr + (e.to(gl.int64) * stride_q + rn.to(gl.int64))[:, None] * M + rm[None, :], t_out,
                      mask=(rm < M)[None, :])
-        elif EPI_TMA:
-            tma.store_wait(0)  # this buffer's store of the tile before has read it
-            gl.thread_barrier()
-            epi.index(c).store(acc.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            if m0 < M:  # the last tile's second half may lie past M (M a multiple of HALF only)
-                tma.async_copy_shared_to_global(out_desc, [e * M + m0, n0], epi.index(c))
+        elif EPI_TMA:  # the last tile's second half may lie past M (M a multiple of HALF only)
+            store_tile(acc, epi.index(c), out_desc, e * M + m0, n0, m0 < M)
         else:  # straight from registers: the loader fills the next tile's stages meanwhile
             rows = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))
             cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))

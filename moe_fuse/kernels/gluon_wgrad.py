@@ -42,6 +42,26 @@ STAGES = 3  # a stage: P 2 x 16 KB + Q 16 KB; with the two 32 KB epilogue buffer
 if HAVE_GLUON:
 
     @gluon.jit
+    def tile_of(t, off_ptr, num_n, per_e, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Tile t of the persistent walk over (expert, 2 x HALF_M output rows, BLOCK_N output columns): the expert
+        e, the tile's first row m0 and column n0, and the expert's rows [lo, hi)."""
+        e = t // per_e
+        return (e, (t % per_e) // num_n * (2 * HALF_M), (t % num_n) * BLOCK_N, gl.load(off_ptr + e),
+                gl.load(off_ptr + e + 1))
+
+    @gluon.jit
+    def store_tile(acc, buf, out_desc, row, col, in_range):
+        """A consumer's tile in bf16 through its shared buffer and a TMA store, after the buffer's store before has
+        read it. The caller waits for the last store (``tma.store_wait(0)``) before it exits."""
+        tma.store_wait(0)
+        gl.thread_barrier()
+        buf.store(acc.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        if in_range:
+            tma.async_copy_shared_to_global(out_desc, [row, col], buf)
+
+    @gluon.jit
     def _loader(p, STAGES: gl.constexpr):
         """Each K step: P's two halves and Q's tile by TMA, from the expert's first row on."""
         p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, off_ptr, M, num_m, num_n, total = p
@@ -51,10 +71,8 @@ if HAVE_GLUON:
         per_e = num_m * num_n
         it = 0
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
-            e = t // per_e
-            m0 = (t % per_e) // num_n * (2 * HALF_M)
-            n0 = (t % num_n) * BLOCK_N
-            for r0 in range(gl.load(off_ptr + e), gl.load(off_ptr + e + 1), BLOCK_K):
+            e, m0, n0, lo, hi = tile_of(t, off_ptr, num_n, per_e, HALF_M, BLOCK_N)
+            for r0 in range(lo, hi, BLOCK_K):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), 2 * p_desc.block_type.nbytes + q_desc.block_type.nbytes)
@@ -76,11 +94,8 @@ if HAVE_GLUON:
         per_e = num_m * num_n
         it = 0
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
-            e = t // per_e
-            m0 = (t % per_e) // num_n * (2 * HALF_M) + c * HALF_M
-            n0 = (t % num_n) * BLOCK_N
-            lo = gl.load(off_ptr + e)
-            hi = gl.load(off_ptr + e + 1)
+            e, m0, n0, lo, hi = tile_of(t, off_ptr, num_n, per_e, HALF_M, BLOCK_N)
+            m0 += c * HALF_M
             n_k = gl.cdiv(hi - lo, BLOCK_K)
             acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=layout)
             for kk in range(n_k):
@@ -99,13 +114,8 @@ if HAVE_GLUON:
                 it += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=n_k > 0)
-            tma.store_wait(0)  # this buffer's store of the tile before has read it
-            gl.thread_barrier()
-            epi.index(c).store(acc.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            if m0 < M:  # the last M tile's second half lies past M when M is an odd multiple of HALF
-                tma.async_copy_shared_to_global(out_desc, [e * M + m0, n0], epi.index(c))
+            # the last M tile's second half lies past M when M is an odd multiple of HALF
+            store_tile(acc, epi.index(c), out_desc, e * M + m0, n0, m0 < M)
         tma.store_wait(0)
 
     @gluon.jit
@@ -184,4 +194,4 @@ def compile_sm90():
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAX_REGS})
 
 
-__all__ = ["HAVE_GLUON", "LAUNCHES", "compile_sm90", "runs_on", "wgrad"]
+__all__ = ["HAVE_GLUON", "LAUNCHES", "compile_sm90", "runs_on", "store_tile", "tile_of", "wgrad"]
