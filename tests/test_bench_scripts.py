@@ -188,3 +188,20 @@ def test_layer_bench_host_ms():
     assert layer_bench.host_bound({"ms": 2.0, "host_ms": 1.9})
     assert not layer_bench.host_bound({"ms": 2.0, "host_ms": 1.0})
     assert not layer_bench.host_bound({"ms": 2.0})  # not measured (the CPU runs)
+
+
+def test_layer_bench_ab_switches_name_real_switches():
+    """Every A/B variant's switches are attributes grouped_mm_path has (a removed switch would otherwise be set
+    silently and the variant would time the default path), and every switched variant can be asked for."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import layer_bench
+
+    from moe_fuse.kernels import grouped_mm_path
+
+    assert set(layer_bench.AB_SWITCHES) <= set(layer_bench.AB_VARIANTS)
+    for name, pairs in layer_bench.AB_SWITCHES.items():
+        for attr, value in pairs:
+            assert attr in grouped_mm_path.__all__ and type(getattr(grouped_mm_path, attr)) is type(value), (name, attr)
+    with layer_bench.switches("moe_fuse_gluon_wgrad"):
+        assert grouped_mm_path.GLUON_WGRAD is True
+    assert grouped_mm_path.GLUON_WGRAD is False
