@@ -251,6 +251,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     routing = route(ids, E)
     ends = routing.offsets[1:]
     tiles = _tiles(routing, T * k)
+    xs = expand_rows(x, routing.pos.view(T, k))  # = x[routing.token], reading x once
     rw = weights.reshape(-1).contiguous()
     # The routing weight scales the down GEMM's input rows, not its output: the combine then only
     # sums, and the scaled rows are dW_down's operand too.
@@ -259,15 +260,13 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
         and not interleaved
     # What is not returned is dropped once read (xs after the gate_up GEMM, h without save_h after the
     # activation): the forward without h then never holds xs, h and aw at once.
-    swiglu_in_gemm = plain and _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2], w_gate_up)
-    xs = expand_rows(x, routing.pos.view(T, k))  # = x[routing.token], reading x once
     kept_xs = xs if save_h and keep_rows else None
-    if swiglu_in_gemm:
-        h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # the pass's bits
+    if plain and _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2], w_gate_up):
+        h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # same bits as below
+        del xs
     else:
         h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
         del xs
-    if not swiglu_in_gemm:
         if gated(activation):
             aw = swiglu(h, routing, rw, swiglu_limit, glu_alpha, activation, gate_up_bias, ids, interleaved)
         else:  # up projection only: h [S, I]
@@ -345,15 +344,14 @@ def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swi
     dy = dy.contiguous()  # the gradient of a sum arrives with stride 0
     ends = routing.offsets[1:]
     tiles = _tiles(routing, S) if tiles is BUILD else tiles
+    dys = expand_rows(dy, routing.pos.view(T, k))
     rw = weights.reshape(-1).contiguous()
     plain = swiglu_limit is None and glu_alpha is None and activation == "silu" and gate_up_bias is None \
         and not interleaved
     if aw is not None and plain and _fused(GLUON_DSWIGLU, tiles, I, w_down.shape[1], w_down):
         # d_h bitwise the unfused pass's; d_weights summed over 128-column partials (fixed order)
-        dys = expand_rows(dy, routing.pos.view(T, k))
         dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
         return dh, d_weights.view(T, k), _wgrad(dys, aw, routing.offsets, transposed(w_down))
-    dys = expand_rows(dy, routing.pos.view(T, k))
     g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
     d_wd = None
     if aw is not None:
