@@ -335,7 +335,11 @@ def test_gluon_wgrad_switch(name, stored, monkeypatch):
     for g, w in zip(got_w, want_w):
         assert g.shape == w.shape and g.stride() == w.stride()
         assert rel_err(g, w) < 1e-6
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", T * k + 1)  # fewer routed rows than the threshold
     calls.clear()
+    monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 10)  # not Hopper: no warpgroup MMAs
+    step()
+    assert not calls
+    monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 9)
+    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", T * k + 1)  # fewer routed rows than the threshold
     step()
     assert not calls
