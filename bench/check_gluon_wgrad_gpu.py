@@ -7,9 +7,9 @@
    bitwise against CUTLASS, and two runs bitwise equal to each other.
 2. At the power cap (NVML): ms and mJ per call of CUTLASS and of this kernel, both gradients.
 3. Edge cases against ``torch._grouped_mm`` (CUTLASS) and float64 on fresh random inputs: experts without rows,
-   experts of 1-63 rows, rows past offsets[E] (expert-parallel sentinels, in no group), P's columns an odd multiple
-   of 128, one expert holding every row. Printed: relative error against float64 (and CUTLASS's), bitwise equality
-   with CUTLASS, a repeat bitwise equal, all finite.
+   experts of 1-63 rows, rows past offsets[E] (expert-parallel sentinels, in no group; NaN in both operands), P's
+   columns an odd multiple of 128, one expert holding every row. Printed: relative error against float64 (and
+   CUTLASS's), bitwise equality with CUTLASS, a repeat bitwise equal, all finite.
 """
 
 from __future__ import annotations
@@ -48,10 +48,13 @@ def poisoned(fn, *args):
 
 
 def edge_case(label, counts, M, N, extra_rows=0, seed=0):
+    """Rows past offsets[E] (sentinels) are NaN in both operands: the product leaves them unwritten (d_h, aw), so
+    they may hold any bits, and no group may read them."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     S = sum(counts) + extra_rows
     p = torch.randn(S, M, device="cuda", generator=gen).to(torch.bfloat16)
     q = torch.randn(S, N, device="cuda", generator=gen).to(torch.bfloat16)
+    p[sum(counts):], q[sum(counts):] = float("nan"), float("nan")
     offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     want, ref = cutlass(p, q, offsets), float64_ref(p, q, offsets)
     torch.cuda.synchronize()

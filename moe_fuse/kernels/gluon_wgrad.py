@@ -8,9 +8,10 @@ of P (a cooperative 256 x 128 tile: half the shared-memory and L2 bytes per FLOP
 consumer writes its bf16 tile to a shared buffer and hands it to a TMA store.
 
 Experts' rows are not padded: the K steps of expert e start at its first row, and its last step may run into the
-next expert's rows (or past the tensor, which TMA reads as zeros). Each consumer zeroes those rows in its own P
-half before that step's MMA, so they add exact zeros; Q's rows there are the next expert's (finite unless the
-activations are not, in which case the step's other gradients are not either).
+next expert's rows, into sentinel rows past offsets[E] that nobody wrote (any bits, NaN included), or past the
+tensor (TMA reads zeros). Before that step's MMA each consumer zeroes those rows in its P half and in its half of
+the shared Q tile's rows, and the two meet at an mbarrier: the step adds exact zeros, at the positions where
+CUTLASS's per-group bounds put them, so the sums keep its order and bits.
 
 Why: at 30B T=16384 the layer step is energy-bound at the 700 W cap, and the probe of this tile on padded copies
 (bench/probe_gluon_wgrad_coop_gpu.py, 2026-12-05) ran both weight gradients bitwise equal to CUTLASS in fewer
@@ -62,9 +63,16 @@ if HAVE_GLUON:
             tma.async_copy_shared_to_global(out_desc, [row, col], buf)
 
     @gluon.jit
+    def _zero_rows_from(buf, row0, hi, layout: gl.constexpr):
+        """Zero the rows of a [rows, cols] shared buffer whose global row (row0 + i) is at or past hi."""
+        rk = row0 + gl.arange(0, buf.shape[0], layout=gl.SliceLayout(1, layout))
+        tile = buf.load(layout)
+        buf.store(gl.where((rk < hi)[:, None], tile, gl.zeros_like(tile)))
+
+    @gluon.jit
     def _loader(p, STAGES: gl.constexpr):
         """Each K step: P's two halves and Q's tile by TMA, from the expert's first row on."""
-        p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, off_ptr, M, num_m, num_n, total = p
+        p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, zeroed, off_ptr, M, num_m, num_n, total = p
         BLOCK_K: gl.constexpr = p_desc.block_type.shape[0]
         HALF_M: gl.constexpr = p_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = q_desc.block_type.shape[1]
@@ -84,7 +92,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _consume(p, STAGES: gl.constexpr, c: gl.constexpr):
         """Consumer c: P's columns [m0 + c * HALF, m0 + (c + 1) * HALF) of every tile."""
-        p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, off_ptr, M, num_m, num_n, total = p
+        p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, zeroed, off_ptr, M, num_m, num_n, total = p
         BLOCK_K: gl.constexpr = p_desc.block_type.shape[0]
         HALF_M: gl.constexpr = p_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = q_desc.block_type.shape[1]
@@ -93,6 +101,7 @@ if HAVE_GLUON:
         rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # a P half [BLOCK_K, HALF_M]
         per_e = num_m * num_n
         it = 0
+        n_zeroed = 0  # overhanging steps so far: the phase of ``zeroed`` (both consumers walk the same steps)
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
             e, m0, n0, lo, hi = tile_of(t, off_ptr, num_n, per_e, HALF_M, BLOCK_N)
             m0 += c * HALF_M
@@ -102,13 +111,18 @@ if HAVE_GLUON:
                 s = it % STAGES
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)
                 a = a_bufs.index(2 * s + c)
-                if lo + (kk + 1) * BLOCK_K > hi:  # the expert's last step runs past its rows: zero them in P
-                    rk = lo + kk * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, rows_layout))
-                    tile = a.load(rows_layout)
-                    a.store(gl.where((rk < hi)[:, None], tile, gl.zeros_like(tile)))
+                b = b_bufs.index(s)
+                if lo + (kk + 1) * BLOCK_K > hi:  # the expert's last step runs past its rows: zero them
+                    r0 = lo + kk * BLOCK_K
+                    _zero_rows_from(a, r0, hi, rows_layout)  # this consumer's P half
+                    _zero_rows_from(b.slice(c * (BLOCK_K // 2), BLOCK_K // 2), r0 + c * (BLOCK_K // 2), hi,
+                                    rows_layout)  # its half of the shared Q tile's rows
                     fence_async_shared()  # written through the generic proxy; wgmma reads through the async one
-                    gl.thread_barrier()  # the whole warpgroup's rows, before its MMA reads them
-                acc = warpgroup_mma(a.permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+                    gl.thread_barrier()  # the whole warpgroup's rows, before it says so
+                    mbarrier.arrive(zeroed, count=1)  # and both halves of Q before either MMA reads them
+                    mbarrier.wait(zeroed, n_zeroed & 1)
+                    n_zeroed += 1
+                acc = warpgroup_mma(a.permute((1, 0)), b, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
                 it += 1
@@ -129,10 +143,12 @@ if HAVE_GLUON:
         epi = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        zeroed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)  # the TMA's arrival
             mbarrier.init(empty.index(s), count=2)  # both consumers
-        p = (p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, off_ptr, M, num_m, num_n, total)
+        mbarrier.init(zeroed, count=2)  # both consumers have zeroed their rows of an overhanging step
+        p = (p_desc, q_desc, out_desc, a_bufs, b_bufs, epi, ready, empty, zeroed, off_ptr, M, num_m, num_n, total)
         gl.warp_specialize([
             (_consume, (p, STAGES, 0)),
             (_consume_second, (p, STAGES)),
