@@ -39,16 +39,16 @@ CUDAGRAPH_VARIANTS = ["hf_inductor_cudagraphs", "moe_fuse_cudagraphs"]
 # Gluon GEMMs (grouped_mm_path.GLUON), or with the Gluon GEMMs that carry SwiGLU / dSwiGLU (GLUON_SWIGLU,
 # GLUON_DSWIGLU), or with SwiGLU fused and the other Gluon GEMMs where they suit (moe_fuse_gluon_fwd).
 # moe_fuse_lean: the backend option moe_fuse.keep_rows=False (the sorted rows and the weighted activation not kept).
-# moe_fuse_gluon_wgrad: both weight gradients through kernels/gluon_wgrad.py
-# (GLUON_WGRAD).
+# moe_fuse_cutlass_wgrad: both weight gradients through CUTLASS (torch._grouped_mm) instead of kernels/gluon_wgrad.py
+# (GLUON_WGRAD off).
 AB_VARIANTS = ["moe_fuse_grouped_mm", "moe_fuse_ragged", "moe_fuse_gluon", "moe_fuse_gluon_fused", "moe_fuse_gluon_fwd",
-               "moe_fuse_lean", "moe_fuse_gluon_wgrad"]
+               "moe_fuse_lean", "moe_fuse_cutlass_wgrad"]
 LEAN_VARIANTS = ("moe_fuse_lean",)
 AB_SWITCHES = {"moe_fuse_grouped_mm": (("RAGGED_TRITON", False),), "moe_fuse_ragged": (("RAGGED_MIN_ROWS", 0),),
                "moe_fuse_gluon": (("GLUON", True),),
                "moe_fuse_gluon_fused": (("GLUON_SWIGLU", True), ("GLUON_DSWIGLU", True)),
                "moe_fuse_gluon_fwd": (("GLUON", True), ("GLUON_SWIGLU", True)),
-               "moe_fuse_gluon_wgrad": (("GLUON_WGRAD", True),)}
+               "moe_fuse_cutlass_wgrad": (("GLUON_WGRAD", False),)}
 PEER = "hf_inductor"
 TOL = 2e-2
 

@@ -202,6 +202,6 @@ def test_layer_bench_ab_switches_name_real_switches():
     for name, pairs in layer_bench.AB_SWITCHES.items():
         for attr, value in pairs:
             assert attr in grouped_mm_path.__all__ and type(getattr(grouped_mm_path, attr)) is type(value), (name, attr)
-    with layer_bench.switches("moe_fuse_gluon_wgrad"):
-        assert grouped_mm_path.GLUON_WGRAD is True
-    assert grouped_mm_path.GLUON_WGRAD is False
+    with layer_bench.switches("moe_fuse_cutlass_wgrad"):
+        assert grouped_mm_path.GLUON_WGRAD is False
+    assert grouped_mm_path.GLUON_WGRAD is True  # the default, restored
