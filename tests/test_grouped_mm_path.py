@@ -9,6 +9,7 @@ read them. Every test runs with RAGGED_TRITON on and off.
 """
 
 import os
+import warnings
 
 import torch
 
@@ -315,6 +316,7 @@ def test_gluon_wgrad_switch(name, stored, monkeypatch):
     monkeypatch.setattr(gluon_wgrad, "wgrad", stand_in)
     monkeypatch.setattr(gluon_wgrad, "runs_on", lambda p, q: True)
     monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 9)
+    monkeypatch.setattr(grouped_mm_path, "_GLUON_WGRAD_STATE", {"built": False, "failed": None})
 
     def step():
         y, h, routing, xs, aw = grouped_mm_path.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=True,
@@ -345,3 +347,37 @@ def test_gluon_wgrad_switch(name, stored, monkeypatch):
     monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", T * k + 1)  # fewer routed rows than the threshold
     step()
     assert not calls
+
+
+def test_gluon_wgrad_that_cannot_be_built_falls_back_to_cutlass_once(monkeypatch):
+    """A triton whose Gluon cannot build the kernel (its API is experimental): the first launch's error becomes one
+    warning naming it, that gradient and every later one come from torch._grouped_mm (the same results), and the
+    kernel is not tried again. After a launch has succeeded, a failure is raised as it is."""
+    from moe_fuse.kernels import gluon_wgrad
+
+    gen = torch.Generator().manual_seed(3)
+    p, q = torch.randn(96, 256, generator=gen), torch.randn(96, 128, generator=gen)
+    offsets = torch.tensor([0, 40, 40, 96], dtype=torch.int32)
+    want = torch._grouped_mm(p.t(), q, offs=offsets[1:])
+    tries = []
+
+    def cannot_build(*args):
+        tries.append(1)
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(gluon_wgrad, "wgrad", cannot_build)
+    monkeypatch.setattr(gluon_wgrad, "runs_on", lambda p, q: True)
+    monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 9)
+    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)
+    monkeypatch.setattr(grouped_mm_path, "_GLUON_WGRAD_STATE", {"built": False, "failed": None})
+    with pytest.warns(UserWarning, match=r"moe_fuse: the Gluon weight-gradient kernel could not be built with triton "
+                                         r"\S+ \(RuntimeError: PassManager::run failed\); using torch._grouped_mm"):
+        got = grouped_mm_path._wgrad(p, q, offsets, in_transposed=False)
+    assert torch.equal(got, want) and tries == [1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, no second try
+        assert torch.equal(grouped_mm_path._wgrad(p, q, offsets, in_transposed=False), want) and tries == [1]
+
+    monkeypatch.setattr(grouped_mm_path, "_GLUON_WGRAD_STATE", {"built": True, "failed": None})
+    with pytest.raises(RuntimeError, match="PassManager::run failed"):
+        grouped_mm_path._wgrad(p, q, offsets, in_transposed=False)

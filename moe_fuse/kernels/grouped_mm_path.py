@@ -34,7 +34,10 @@ zero weight gradients. Every step is deterministic (no atomics, no split-K).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import triton
 import triton.language as tl
 
 from ..reference import gated, limit_in, softcaps
@@ -403,11 +406,37 @@ def _wgrad(p, q, offsets, in_transposed: bool):
     the contiguous [E, N, M] of q^T p and returned as its transpose: the layout of weights stored transposed."""
     if in_transposed:
         p, q = q, p
+    out = None
     if GLUON_WGRAD and p.shape[0] >= RAGGED_MIN_ROWS and gluon_wgrad.runs_on(p, q) and _major(p.device) == 9:
-        out = gluon_wgrad.wgrad(p, q, offsets)
-    else:
+        out = _gluon_wgrad(p, q, offsets)
+    if out is None:
         out = torch._grouped_mm(p.t(), q, offs=offsets[1:])
     return out.transpose(1, 2) if in_transposed else out
+
+
+_GLUON_WGRAD_STATE = {"built": False, "failed": None}
+
+
+def _gluon_wgrad(p, q, offsets):
+    """gluon_wgrad.wgrad, or None if its first launch fails: Gluon's API is experimental and moves between triton
+    releases, so a triton that cannot build the kernel gets CUTLASS (same results), with one warning. Once a launch
+    has succeeded, a failure is an error like any other."""
+    if _GLUON_WGRAD_STATE["failed"]:
+        return None
+    try:
+        out = gluon_wgrad.wgrad(p, q, offsets)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:
+        if _GLUON_WGRAD_STATE["built"]:
+            raise
+        _GLUON_WGRAD_STATE["failed"] = f"{type(err).__name__}: {err}"
+        warnings.warn(f"moe_fuse: the Gluon weight-gradient kernel could not be built with triton "
+                      f"{triton.__version__} ({_GLUON_WGRAD_STATE['failed']}); using torch._grouped_mm instead "
+                      f"(the same results)", stacklevel=2)
+        return None
+    _GLUON_WGRAD_STATE["built"] = True
+    return out
 
 
 __all__ = ["ENABLED", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU", "GLUON_WGRAD",
