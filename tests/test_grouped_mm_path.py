@@ -349,6 +349,85 @@ def test_gluon_wgrad_switch(name, stored, monkeypatch):
     assert not calls
 
 
+@pytest.mark.parametrize("stored", ["contiguous", "transposed"])
+def test_gluon_row_gemm_switches(stored, monkeypatch, request):
+    """GLUON, GLUON_SWIGLU, GLUON_DSWIGLU (off by default, the A/B variants moe_fuse_gluon*): the row-ragged GEMMs
+    that ``gluon_ragged.suits`` names go to the Gluon kernels, sm90 only, on the Triton route only, contiguous
+    weights only, and the fused epilogues for plain SwiGLU only. Gluon does not run here: each kernel is stood in
+    by what it computes with the path's own Triton kernels, so every result must stay bitwise the default's."""
+    from moe_fuse.kernels import gluon_ragged
+
+    T, k, E, H, I, dtype, mode = CASES["uneven_bf16"]
+    x, ids, weights, w_gate_up, w_down = make_case(T, k, E, H, I, dtype, mode, seed=12)
+    if stored == "transposed":
+        w_gate_up, w_down = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_gate_up, w_down))
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
+    calls, seen = [], {}
+    real_route = grouped_mm_path.route
+
+    def route(ids, num_experts):  # the stand-ins below need the routing their caller holds
+        seen["routing"] = real_route(ids, num_experts)
+        return seen["routing"]
+
+    def ragged(a, b, tiles, *, b_kmajor):
+        N, K = (b.shape[1], b.shape[2]) if b_kmajor else (b.shape[2], b.shape[1])
+        calls.append(("gemm", N, K))
+        return grouped_mm_path.ragged_gemm(a, b, tiles, b_kmajor=b_kmajor)
+
+    def gate_up_swiglu(xs, w, tiles, rw, order):
+        calls.append(("gate_up_swiglu",))
+        assert order is seen["routing"].order
+        h = grouped_mm_path.ragged_gemm(xs, w, tiles, b_kmajor=True)
+        return h, grouped_mm_path.swiglu(h, seen["routing"], rw)
+
+    def dgrad_dswiglu(dys, w, h, tiles, rw, order, weights_dtype):
+        calls.append(("dgrad_dswiglu",))
+        g = grouped_mm_path.ragged_gemm(dys, w, tiles, b_kmajor=False)
+        dh, _, d_weights = grouped_mm_path.dswiglu(g, h, rw, seen["routing"], weights_dtype, write_aw=False)
+        return dh, d_weights
+
+    monkeypatch.setattr(grouped_mm_path, "route", route)
+    monkeypatch.setattr(gluon_ragged, "ragged_gemm", ragged)
+    monkeypatch.setattr(gluon_ragged, "gate_up_swiglu", gate_up_swiglu)
+    monkeypatch.setattr(gluon_ragged, "dgrad_dswiglu", dgrad_dswiglu)
+    monkeypatch.setattr(gluon_ragged, "suits", lambda N, K: K > I + 8)  # as on the 30B layer: not down (K = I)
+    monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 9)
+    monkeypatch.setattr(grouped_mm_path, "GLUON_WGRAD", False)
+
+    def step(**options):
+        y, h, routing, xs, aw = grouped_mm_path.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=True,
+                                                                keep_rows=True, **options)
+        dh, d_weights, d_wd = grouped_mm_path.backward_down(dy, ids, weights, w_down, h, routing, aw, **options)
+        dx, _ = grouped_mm_path.backward_gate_up(dh, x, ids, w_gate_up, routing)
+        d_wgu = grouped_mm_path.backward_weight_gate_up(dh, x, ids, w_gate_up, routing, xs)
+        return y, h, aw, dh, d_weights, d_wd, dx, d_wgu
+
+    assert (grouped_mm_path.GLUON, grouped_mm_path.GLUON_SWIGLU, grouped_mm_path.GLUON_DSWIGLU) == (False,) * 3
+    want = step()
+    assert not calls
+    triton_route = request.node.callspec.params["nan_outside_groups"]
+    for switches, expected in [
+        (("GLUON",), [("gemm", 2 * I, H), ("gemm", I, H), ("gemm", H, 2 * I)]),  # gate_up, dgrad, dx; not down
+        (("GLUON_SWIGLU", "GLUON_DSWIGLU"), [("gate_up_swiglu",), ("dgrad_dswiglu",)]),
+    ]:
+        for name in switches:
+            monkeypatch.setattr(grouped_mm_path, name, True)
+        got = step()
+        assert calls == (expected if triton_route and stored == "contiguous" else [])
+        for g, w in zip(got, want):
+            assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(), w.nan_to_num())  # NaN: no group
+        calls.clear()
+        step(swiglu_limit=7.0)  # the fused epilogues are plain SwiGLU's
+        assert all(c[0] == "gemm" for c in calls)
+        calls.clear()
+        monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 10)  # not Hopper: no warpgroup MMAs
+        step()
+        assert not calls
+        monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 9)
+        for name in switches:
+            monkeypatch.setattr(grouped_mm_path, name, False)
+
+
 def test_gluon_wgrad_that_cannot_be_built_falls_back_to_cutlass_once(monkeypatch):
     """A triton whose Gluon cannot build the kernel (its API is experimental): the first launch's error becomes one
     warning naming it, that gradient and every later one come from torch._grouped_mm (the same results), and the

@@ -220,7 +220,7 @@ def _row_gemm(a, w, tiles, ends, *, w_kmajor):
         return ragged_gemm(a, w.transpose(1, 2), tiles, b_kmajor=not w_kmajor)
     if tiles is not None:
         N, K = (w.shape[1], w.shape[2]) if w_kmajor else (w.shape[2], w.shape[1])
-        if GLUON and gluon_ragged.suits(N, K) and a.is_contiguous() and w.is_contiguous():
+        if GLUON and _major(a.device) == 9 and gluon_ragged.suits(N, K) and a.is_contiguous() and w.is_contiguous():
             return gluon_ragged.ragged_gemm(a, w, tiles, b_kmajor=w_kmajor)
         return ragged_gemm(a, w, tiles, b_kmajor=w_kmajor)
     return torch._grouped_mm(a, w.transpose(1, 2) if w_kmajor else w, offs=ends)
@@ -228,8 +228,8 @@ def _row_gemm(a, w, tiles, ends, *, w_kmajor):
 
 def _fused(switch: bool, tiles, N: int, K: int, w) -> bool:
     """Whether a GEMM of B[e] [K, N] runs the Gluon kernel with its pass in the epilogue (w: the expert weights,
-    contiguous: the kernel's descriptors are for that layout)."""
-    return switch and tiles is not None and w.is_contiguous() and gluon_ragged.suits(N, K)
+    contiguous: the kernel's descriptors are for that layout). sm90 only, as gluon_wgrad: warpgroup MMAs."""
+    return switch and tiles is not None and w.is_contiguous() and _major(w.device) == 9 and gluon_ragged.suits(N, K)
 
 
 BUILD = object()  # the default of a ``tiles`` argument: build the tile map (None is a value: torch's GEMMs)
