@@ -1,8 +1,24 @@
 import os
+import sys
 
+import pytest
 import torch
+
+# Some test modules still import helpers from test modules of another folder.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _sub in ("kernels", "ops", "pipeline"):
+    sys.path.insert(0, os.path.join(_HERE, _sub))
 
 # Without a GPU every Triton kernel runs in Triton's interpreter on CPU tensors.
 # Set before any test module imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests skip without CUDA; ``distributed`` is every test under tests/distributed."""
+    for item in items:
+        if "/distributed/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.distributed)
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

@@ -1,0 +1,183 @@
+"""The constant causal mask transformers materialises under compile becomes SDPA's is_causal=True, and
+the key / value heads transformers repeats for it are read unrepeated with enable_gqa=True.
+
+Parity of loss, logits and every gradient with eager, the exact SDPA call after the rewrite, and
+the cases that must stay as they are: a user attention_mask with padding, the option off, one
+key / value head per query head.
+"""
+
+import json
+import re
+
+import torch
+
+from support.models import loss_and_grads, qwen3_moe, rel_err, token_batch
+
+SDPA_LINE = re.compile(r"= torch\._C\._nn\.scaled_dot_product_attention\((.*)\)")
+
+
+def compile_and_run(model, ids, tmp_path, causal_sdpa=True, **kwargs):
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path), "moe_fuse.causal_sdpa": causal_sdpa}
+    return loss_and_grads(torch.compile(model, backend="moe_fuse", options=options), ids, **kwargs)
+
+
+def sdpa_calls(tmp_path) -> list[str]:
+    text = "".join(p.read_text() for p in sorted(tmp_path.glob("graph_*/after.py")))
+    return SDPA_LINE.findall(text)
+
+
+def reports(tmp_path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("graph_*/report.json"))]
+
+
+def assert_parity(eager, fused):
+    loss, logits, aux, grads = eager
+    loss2, logits2, aux2, grads2 = fused
+    assert rel_err(loss2, loss) < 1e-5 and rel_err(logits2, logits) < 1e-5 and rel_err(aux2, aux) < 1e-5
+    assert grads.keys() == grads2.keys()
+    for name in grads:
+        assert rel_err(grads2[name], grads[name]) < 1e-4, name
+
+
+def test_plain_causal_mask_becomes_is_causal(tmp_path):
+    model = qwen3_moe(attn_implementation="sdpa")
+    ids = token_batch()
+    eager = loss_and_grads(model, ids, use_cache=False)
+    assert_parity(eager, compile_and_run(model, ids, tmp_path, use_cache=False))
+    calls = sdpa_calls(tmp_path)
+    assert len(calls) == 2
+    for call in calls:  # 4 query heads, 2 key / value heads: K and V as the layer computed them, not repeated
+        assert re.fullmatch(r"q_embed(_\d+)?, k_embed(_\d+)?, value_states(_\d+)?, attn_mask = None, dropout_p = 0.0, "
+                            r"scale = [0-9.]+, is_causal = True, enable_gqa = True", call), call
+    assert "in repeat_kv" not in "".join(p.read_text() for p in tmp_path.glob("graph_*/after.py"))
+    rewrites = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_sdpa_mask"]
+    assert len(rewrites) == 2
+    assert rewrites[0]["verified"] == "proved" and rewrites[0]["query_length"] == 12
+    assert rewrites[0]["mask_shape"] == [2, 1, 12, 12] and rewrites[0]["gqa_group"] == 2
+
+
+def test_one_key_value_head_per_query_head_needs_no_groups(tmp_path):
+    model = qwen3_moe(attn_implementation="sdpa", num_key_value_heads=4, num_hidden_layers=1)
+    ids = token_batch()
+    eager = loss_and_grads(model, ids, use_cache=False)
+    assert_parity(eager, compile_and_run(model, ids, tmp_path, use_cache=False))
+    (call,) = sdpa_calls(tmp_path)
+    assert "is_causal = True" in call and "enable_gqa" not in call, call
+    (rewrite,) = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_sdpa_mask"]
+    assert "gqa_group" not in rewrite
+
+
+def test_padding_mask_is_left_alone(tmp_path):
+    model = qwen3_moe(attn_implementation="sdpa")
+    ids = token_batch()
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0  # left padding in the second row
+    eager = loss_and_grads(model, ids, use_cache=False, attention_mask=attention_mask)
+    assert_parity(eager, compile_and_run(model, ids, tmp_path, use_cache=False, attention_mask=attention_mask))
+    for call in sdpa_calls(tmp_path):  # a mask stays, and so do the repeated heads (flash takes no mask)
+        assert "attn_mask = None" not in call and "is_causal = True" not in call and "enable_gqa" not in call, call
+    reasons = [r["reason"] for rep in reports(tmp_path) for r in rep["rejected"] if r["pattern"] == "causal_sdpa_mask"]
+    assert reasons and all("reads graph input" in reason for reason in reasons), reasons
+
+
+def test_option_off_keeps_the_mask(tmp_path):
+    model = qwen3_moe(attn_implementation="sdpa", num_hidden_layers=1)
+    ids = token_batch()
+    compile_and_run(model, ids, tmp_path, causal_sdpa=False, use_cache=False)
+    (call,) = sdpa_calls(tmp_path)
+    assert "attn_mask = None" not in call and "enable_gqa" not in call
+
+
+def test_mask_built_outside_checkpointed_layers(tmp_path):
+    """Under activation checkpointing the mask is computed in the outer graph and passed into each
+    layer's body: it is followed out of the body and proved there."""
+    model = qwen3_moe(attn_implementation="sdpa", output_router_logits=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = token_batch()
+    eager = loss_and_grads(model, ids, use_cache=False)
+    loss, logits, _, grads = compile_and_run(model, ids, tmp_path, use_cache=False)
+    assert rel_err(loss, eager[0]) < 1e-5 and rel_err(logits, eager[1]) < 1e-5
+    for name in eager[3]:
+        assert rel_err(grads[name], eager[3][name]) < 1e-4, name
+    calls = sdpa_calls(tmp_path)
+    assert calls and all("attn_mask = None" in c and "is_causal = True, enable_gqa = True" in c for c in calls), calls
+    rewrites = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_sdpa_mask"]
+    assert len(rewrites) == 2 and all("wrap_body" in m["where"] and m["gqa_group"] == 2 for m in rewrites)
+
+
+class _CountingAttention(torch.nn.Module):
+    """A constant causal mask next to an in-place op whose result nobody reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(q.shape[0], 1, n, n)
+        self.calls.add_(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_rewrite_keeps_unrelated_in_place_ops(tmp_path):
+    q, k, v = (torch.randn(2, 3, 7, 4, requires_grad=True) for _ in range(3))
+    want = _CountingAttention()(q, k, v)
+    module = _CountingAttention()
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path)}
+    got = torch.compile(module, backend="moe_fuse", options=options)(q, k, v)
+    assert module.calls.item() == 1  # the buffer update survived the rewrite
+    torch.testing.assert_close(got, want)
+    dy = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), dy), torch.autograd.grad(want, (q, k, v), dy)):
+        torch.testing.assert_close(a, b)
+    (call,) = sdpa_calls(tmp_path)
+    assert "attn_mask = None" in call and "is_causal = True" in call
+
+
+class _GroupedAttention(torch.nn.Module):
+    """transformers' repeat_kv in front of SDPA with a constant causal mask; ``keep`` also returns the repeated key."""
+
+    def __init__(self, keep=False):
+        super().__init__()
+        self.keep = keep
+
+    def forward(self, q, k, v):
+        b, kvh, n, d = k.shape
+        rep = q.shape[1] // kvh
+        k2 = k[:, :, None, :, :].expand(b, kvh, rep, n, d).reshape(b, kvh * rep, n, d)
+        v2 = v[:, :, None, :, :].expand(b, kvh, rep, n, d).reshape(b, kvh * rep, n, d)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(b, 1, n, n)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k2, v2, attn_mask=mask)
+        return (out, k2) if self.keep else out
+
+
+def test_repeated_key_read_elsewhere_stays_for_that_reader(tmp_path):
+    q = torch.randn(2, 6, 7, 4, requires_grad=True)
+    k, v = (torch.randn(2, 2, 7, 4, requires_grad=True) for _ in range(2))
+    want = _GroupedAttention(keep=True)(q, k, v)
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path)}
+    got = torch.compile(_GroupedAttention(keep=True), backend="moe_fuse", options=options)(q, k, v)
+    dys = [torch.randn_like(t) for t in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), dys), torch.autograd.grad(want, (q, k, v), dys)):
+        torch.testing.assert_close(a, b)
+    (call,) = sdpa_calls(tmp_path)
+    assert call.startswith("l_q_, l_k_, l_v_, attn_mask = None") and call.endswith("is_causal = True, enable_gqa = True")
+    text = "".join(p.read_text() for p in tmp_path.glob("graph_*/after.py"))
+    assert ".expand(2, 2, 3, 7, 4)" in text and ".reshape(2, 6, 7, 4)" in text  # the key's repeat, for the output
+    assert text.count(".expand(2, 2, 3, 7, 4)") == 1  # the value's is gone
+
+
+def test_repeats_stay_where_sdpa_would_fall_back_to_math(tmp_path, monkeypatch):
+    """Grouped heads only where torch picks a fused kernel for them: its math fallback would build the whole
+    attention matrix (an fp32 model on a GPU, a head flash attention does not take)."""
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **k: int(torch.nn.attention.SDPBackend.MATH))
+    q = torch.randn(2, 6, 7, 4, requires_grad=True)
+    k, v = (torch.randn(2, 2, 7, 4, requires_grad=True) for _ in range(2))
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path)}
+    got = torch.compile(_GroupedAttention(), backend="moe_fuse", options=options)(q, k, v)
+    torch.testing.assert_close(got, _GroupedAttention()(q, k, v))
+    (call,) = sdpa_calls(tmp_path)
+    assert "is_causal = True" in call and "enable_gqa" not in call and not call.startswith("l_q_, l_k_")
