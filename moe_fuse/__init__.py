@@ -6,18 +6,22 @@ small and imports torch lazily: ``TORCH_LOGS=+moe_fuse`` imports it while
 ``import torch`` is still running.
 """
 
-__all__ = ["explain", "moe_fuse_backend", "register_experts_implementation"]
+__all__ = ["config", "explain", "moe_fuse_backend", "register_experts_implementation"]
 
 
 def __getattr__(name):
     if name == "explain":
-        from .debug import explain
+        from .backend import explain
 
         return explain
     if name == "moe_fuse_backend":
         from .backend import moe_fuse_backend
 
         return moe_fuse_backend
+    if name == "config":
+        import importlib
+
+        return importlib.import_module(".config", __name__)
     if name == "register_experts_implementation":
         from .integrations.transformers import register_experts_implementation
 

@@ -112,7 +112,7 @@ _this = sys.modules[__name__]
 assert all(getattr(_this, name) == s.default for name, s in SETTINGS.items()), "a default differs from SETTINGS"
 
 
-def _checked(changes: dict) -> dict:
+def _checked(changes: dict, prefix: str = "moe_fuse setting ") -> dict:
     unknown = sorted(set(changes) - set(SETTINGS))
     if unknown:
         valid = "\n".join(f"  {name}: {s.doc}" for name, s in SETTINGS.items())
@@ -120,7 +120,7 @@ def _checked(changes: dict) -> dict:
     for name, value in changes.items():
         s = SETTINGS[name]
         if not s.check(value):
-            raise ValueError(f"moe_fuse setting {name}={value!r}; expected {s.expected}")
+            raise ValueError(f"{prefix}{name}={value!r}; expected {s.expected}")
     return changes
 
 
@@ -184,4 +184,4 @@ def from_options(options: dict | None) -> tuple[dict, dict]:
     if bare:
         raise ValueError(f"option(s) {bare} look like moe_fuse's; moe_fuse options take the prefix "
                          f"'moe_fuse.' ({', '.join('moe_fuse.' + k for k in bare)})")
-    return _checked(ours), rest
+    return _checked(ours, prefix="moe_fuse."), rest

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .passes.graph import describe_node
+from . import config
+from .pipeline.graph import describe_node
 
 log = logging.getLogger("moe_fuse")
 
@@ -37,6 +38,7 @@ class GraphReport:
     compile_id: str = ""
     matches: list[dict] = field(default_factory=list)
     rejected: list[dict] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)  # every config value this graph was compiled with
 
     def match(self, cand, where: str, nodes_replaced: int, verified: bool):
         self.matches.append(
@@ -65,11 +67,16 @@ class GraphReport:
             warnings.warn(f"moe_fuse: {reason}", stacklevel=2)
 
     def to_json(self) -> dict:
-        return {"graph": self.graph, "compile_id": self.compile_id, "matches": self.matches, "rejected": self.rejected}
+        return {"graph": self.graph, "compile_id": self.compile_id, "matches": self.matches, "rejected": self.rejected,
+                "settings": {k: v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
+                             for k, v in self.settings.items()}}
 
     def summary(self) -> str:
         lines = [f"moe_fuse {self.graph} (compile {self.compile_id}): "
                  f"{len(self.matches)} rewrite(s), {len(self.rejected)} left alone"]
+        changed = {k: v for k, v in self.settings.items() if v != config.SETTINGS[k].default}
+        lines.append("  settings: " + (", ".join(f"{k}={v!r}" for k, v in changed.items()) or "defaults")
+                     + " (config)")
         for m in self.matches:
             if "num_experts" not in m:  # not an MoE block (see GraphReport.rewrite)
                 detail = " ".join(f"{k}={v}" for k, v in m.items() if k not in ("pattern", "verified", "nodes_replaced",
@@ -100,7 +107,8 @@ def _where(subgraph: str, node) -> str:
 
 def new_report() -> GraphReport:
     compile_id = torch._guards.CompileContext.current_compile_id()
-    return GraphReport(graph=f"graph_{next(_graph_ids):03d}", compile_id=str(compile_id or ""))
+    return GraphReport(graph=f"graph_{next(_graph_ids):03d}", compile_id=str(compile_id or ""),
+                       settings=config.values())
 
 
 def graph_code(gm: torch.fx.GraphModule) -> str:
@@ -184,7 +192,7 @@ class Explanation:
     def __str__(self) -> str:
         head = (f"moe_fuse explain: {len(self.graphs)} graph(s), {len(self.matches)} rewrite(s), "
                 f"{len(self.rejected)} region(s) left alone")
-        return "\n".join([head] + [g.summary() for g in self.graphs])
+        return "\n".join([head] + [g.summary() for g in self.graphs] + ["moe_fuse settings:", config.describe()])
 
 
 @contextlib.contextmanager
@@ -195,21 +203,3 @@ def collect_reports():
         yield sink
     finally:
         _sinks.remove(sink)
-
-
-def explain(model, *args, options: dict | None = None, **kwargs) -> Explanation:
-    """Compile ``model`` with moe_fuse, run it once on the given inputs, return what was rewritten.
-
-    Like ``torch._dynamo.explain`` it resets Dynamo first, so every graph is
-    compiled afresh. The rewritten graphs run eagerly (``moe_fuse.inner="eager"``)
-    unless ``options`` says otherwise.
-    """
-    from .backend import moe_fuse_backend
-
-    torch._dynamo.reset()
-    opts = {"moe_fuse.inner": "eager", **(options or {})}
-    compiled = torch.compile(model, backend=lambda gm, ex: moe_fuse_backend(gm, ex, options=opts))
-    with collect_reports() as sink:
-        compiled(*args, **kwargs)
-    torch._dynamo.reset()
-    return Explanation(list(sink))

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch._prims_common import make_contiguous_strides_for
 
-from . import kernels, reference
+from . import dispatch, kernels, reference
 
 _LIB = torch.library.Library("moe_fuse", "FRAGMENT")
 
@@ -154,31 +154,10 @@ def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, g
                          f"{tuple(gate_up_bias.shape)} {gate_up_bias.dtype}")
 
 
-def _on_kernels(x, ids, weights, w_gate_up, w_down, activation: str = "silu", gate_up_bias=None,
-                interleaved: bool = False) -> bool:
-    """Whether the Triton kernels compute this call (else the reference); what only their grouped_mm path computes
-    (``kernels.grouped_mm_only``) needs that path."""
-    return x.is_cuda and kernels.supports(
-        x, ids, weights, w_gate_up, w_down, extras=kernels.grouped_mm_only(activation, gate_up_bias, interleaved),
-        gated=reference.gated(activation))
-
-
-def _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, activation: str = "silu", gate_up_bias=None,
-                 interleaved: bool = False, keep_rows: bool = True) -> tuple[int, int, int]:
-    """(rows of h, rows of xs and of aw, elements of the routing) that the forward keeps for the backward.
-
-    From shapes, dtypes and devices only: the real and the fake implementation both size their
-    outputs with it, so they agree. The reference keeps h alone; the CUDA kernels also keep their
-    routing, and the grouped_mm path (kernels/grouped_mm_path.py), with keep_rows, the weight gradients'
-    operands: the expert-sorted rows of x and the weighted SwiGLU output.
-    """
-    if not save_h:
-        return 0, 0, 0
-    S = ids.shape[0] * ids.shape[1]
-    if not _on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):
-        return S, 0, 0
-    rows = S if keep_rows and kernels.uses_grouped_mm(x, ids, w_gate_up, w_down) else 0
-    return S, rows, kernels.routing_buffer_size(S, w_gate_up.shape[0])
+def _plan(x, ids, weights, w_gate_up, w_down, save_h, activation="silu", gate_up_bias=None, interleaved=False,
+          keep_rows=True) -> dispatch.ExpertsPlan:
+    return dispatch.plan(x, ids, weights, w_gate_up, w_down, save_h=save_h, keep_rows=keep_rows, activation=activation,
+                         gate_up_bias=gate_up_bias, interleaved=interleaved)
 
 
 @_op
@@ -187,7 +166,7 @@ def experts(
     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
     gate_up_bias: Tensor | None = None, interleaved: bool = False, keep_rows: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(y, h, xs, routing, aw): y, then what the backward reads instead of recomputing (``_saved_sizes``).
+    """(y, h, xs, routing, aw): y, then what the backward reads instead of recomputing (``dispatch.plan``).
 
     With ``save_h``: h [T*k, 2I] is the pre-activation gate | up in expert order (the backward's first
     GEMM then costs 2 instead of 6 T*k*H*I FLOPs); on the CUDA kernels, routing is the int32 routing
@@ -212,18 +191,17 @@ def experts(
     """
     _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias,
                         interleaved)
-    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, activation,
-                                                 gate_up_bias, interleaved, keep_rows)
+    plan = _plan(x, ids, weights, w_gate_up, w_down, save_h, activation, gate_up_bias, interleaved, keep_rows)
     lim = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation,
            "gate_up_bias": gate_up_bias, "interleaved": interleaved}
-    if routing_size:
-        y, h, routing, *rows = kernels.experts_forward(
-            x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=bool(xs_rows), **lim
+    if plan.routing_size:
+        y, h, routing, *rows = dispatch.experts_forward(
+            x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=bool(plan.rows), **lim
         )
-        xs, aw = rows if xs_rows else (_empty(x, x.shape[1]), _empty(w_down, w_down.shape[2]))
+        xs, aw = rows if plan.rows else (_empty(x, x.shape[1]), _empty(w_down, w_down.shape[2]))
         return y, h, xs, routing.buf, aw
-    if _on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):  # without save_h
-        y = kernels.experts_forward(x, ids, weights, w_gate_up, w_down, **lim)
+    if plan.forward != "reference":  # without save_h
+        y = dispatch.experts_forward(x, ids, weights, w_gate_up, w_down, **lim)
         h = _empty(w_gate_up, w_gate_up.shape[1])
     elif save_h:
         y, h = reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down, save_h=True, **lim)
@@ -269,14 +247,13 @@ def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_a
       gate_up_bias=None, interleaved=False, keep_rows=True):
     _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias,
                         interleaved)
-    h_rows, xs_rows, routing_size = _saved_sizes(x, ids, weights, w_gate_up, w_down, save_h, activation,
-                                                 gate_up_bias, interleaved, keep_rows)
+    plan = _plan(x, ids, weights, w_gate_up, w_down, save_h, activation, gate_up_bias, interleaved, keep_rows)
     return (
         x.new_empty(x.shape),
-        w_gate_up.new_empty((h_rows, w_gate_up.shape[1])),
-        x.new_empty((xs_rows, x.shape[1])),
-        ids.new_empty((routing_size,), dtype=torch.int32),
-        w_down.new_empty((xs_rows, w_down.shape[2])),
+        w_gate_up.new_empty((plan.h_rows, w_gate_up.shape[1])),
+        x.new_empty((plan.rows, x.shape[1])),
+        ids.new_empty((plan.routing_size,), dtype=torch.int32),
+        w_down.new_empty((plan.rows, w_down.shape[2])),
     )
 
 
@@ -292,9 +269,9 @@ def experts_backward(
     gate = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation}
     if gate_up_bias is not None or interleaved:
         gate.update(gate_up_bias=gate_up_bias, interleaved=interleaved)
-    if _on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):
+    if dispatch.on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):
         S, E = ids.shape[0] * ids.shape[1], w_gate_up.shape[0]
-        grads = kernels.experts_backward(  # makes dy contiguous itself
+        grads = dispatch.experts_backward(  # makes dy contiguous itself
             dy, x, ids, weights, w_gate_up, w_down, h if h.numel() else None,
             routing=kernels.routing_from_buffer(routing, S, E) if routing.numel() else None,
             xs=xs if xs.numel() else None, aw=aw if aw.numel() else None, **gate,
@@ -309,9 +286,9 @@ def experts_backward(
 
 
 def _check_split(name, x, ids, w_gate_up, w_down, dy):
-    if not kernels.uses_grouped_mm(x, ids, w_gate_up, w_down, dy):
+    if not dispatch.uses_grouped_mm(x, ids, w_gate_up, w_down, dy):
         raise RuntimeError(f"moe_fuse.{name}: a half of experts_backward on the grouped_mm path only (CUDA sm90+, "
-                           "bf16: kernels.uses_grouped_mm); elsewhere call moe_fuse.experts_backward")
+                           "bf16: dispatch.uses_grouped_mm); elsewhere call moe_fuse.experts_backward")
 
 
 @_op
@@ -328,7 +305,7 @@ def experts_backward_down(
     dh, d_weights, d_wd = grouped_mm_path.backward_down(
         dy, ids.contiguous(), weights, w_down, h, kernels.routing_from_buffer(routing, ids.numel(), w_down.shape[0]),
         aw if aw.numel() else None, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha, activation=activation,
-        gate_up_bias=gate_up_bias, interleaved=interleaved,
+        gate_up_bias=gate_up_bias, interleaved=interleaved, ragged=dispatch.ragged(ids.numel()),
     )
     return dh, d_weights.contiguous(), in_layout_of(d_wd, w_down)
 
@@ -353,7 +330,7 @@ def experts_backward_gate_up(
     _check_split("experts_backward_gate_up", x, ids, w_gate_up, w_down, dh)
     dx, d_bias = grouped_mm_path.backward_gate_up(
         dh, x, ids.contiguous(), w_gate_up, kernels.routing_from_buffer(routing, ids.numel(), w_gate_up.shape[0]),
-        bias_dtype=None if gate_up_bias is None else gate_up_bias.dtype,
+        bias_dtype=None if gate_up_bias is None else gate_up_bias.dtype, ragged=dispatch.ragged(ids.numel()),
     )
     d_bias = w_gate_up.new_empty((0,)) if d_bias is None else d_bias.contiguous()
     return dx.contiguous(), d_bias
@@ -428,11 +405,6 @@ def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, swiglu_limit=N
 
 
 _GATE_DEFAULTS = (None, None, "silu", None, False)  # swiglu_limit, glu_alpha, activation, gate_up_bias, interleaved
-# The training backward on grouped_mm_path as three ops (experts_backward_down, experts_backward_gate_up,
-# experts_backward_weight_gate_up) instead of one: after the first the compiled backward frees the saved h and aw,
-# and it orders the third. Off: one op (bench A/B; read when the backward is traced, and part of the compile cache
-# key, backend.cache_tag).
-SPLIT_BACKWARD = True
 
 
 def _experts_setup_context(ctx, inputs, output):
@@ -449,7 +421,7 @@ def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing, _d_aw):
     if dy is None:  # only the saved values were used: nothing flows back (they are internal)
         dy = torch.zeros_like(x)
     bias = bias[0] if bias else None
-    if SPLIT_BACKWARD and h.numel() and routing.numel() and kernels.uses_grouped_mm(x, ids, w_gate_up, w_down, dy):
+    if dispatch.split_backward(x, ids, w_gate_up, w_down, dy, h, routing):
         # Three ops: the compiled backward frees h and aw, which only the first reads, before the second allocates
         # its [S, H] GEMM output (the layer step's peak: bench/backward_memory_cpu.py); dW_gate_up, which nothing
         # else reads, apart, so that Inductor's memory-aware ordering may run it after later layers' work.

@@ -24,6 +24,8 @@ import os
 import torch
 import triton
 
+from .. import config
+
 
 def cdiv(a: int, b: int) -> int:
     """Host-side ceil(a / b). ``triton.cdiv`` is a constexpr function whose call costs microseconds of
@@ -51,10 +53,9 @@ def interpreter_usable() -> bool:
     return isinstance(tl.sum, InterpretedFunction)
 
 
-# Off: every compiled launch goes through triton's ``JITFunction.run``. The direct path reads triton's
-# internals (the binder in ``device_caches``, the launcher's argument order), so it is taken only on the
-# triton minor version it was checked on (bench/check_direct_launch_gpu.py); others go through run.
-DIRECT_LAUNCH = True
+# ``config.direct_launch`` off: every compiled launch goes through triton's ``JITFunction.run``. The direct path
+# reads triton's internals (the binder in ``device_caches``, the launcher's argument order), so it is taken only
+# on the triton minor version it was checked on (tests/gpu checks it); others go through run.
 DIRECT_LAUNCH_TRITON = "3.6"
 _TRITON_MINOR = ".".join(triton.__version__.split(".")[:2])
 
@@ -88,7 +89,7 @@ class lazy_jit:
         return kernel
 
     def __getitem__(self, grid):
-        if not DIRECT_LAUNCH or _TRITON_MINOR != DIRECT_LAUNCH_TRITON or interpreting():
+        if not config.direct_launch or _TRITON_MINOR != DIRECT_LAUNCH_TRITON or interpreting():
             return self._get()[grid]
         return functools.partial(self._launch, grid)
 

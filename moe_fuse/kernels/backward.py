@@ -23,7 +23,7 @@ A few GEMM launches and small passes, no atomics (bitwise repeatable), no host s
    ``_wgrad_kernel`` twice, one program per (expert, M-tile, N-tile), experts with the most rows
    first. dW_gate_up runs on a second stream beside dx and dW_down.
 
-On CUDA sm90+ in bf16, ``kernels.experts_backward`` runs grouped_mm_path.py instead: every GEMM
+On CUDA sm90+ in bf16, ``dispatch.experts_backward`` runs grouped_mm_path.py instead: every GEMM
 through ``torch._grouped_mm`` (CUTLASS) on gathered rows, with this module's dSwiGLU pass.
 
 dx needs d_h, which needs the whole dgrad row block, so steps 1 and 2 cannot share a program:
@@ -987,8 +987,9 @@ def d_weights_by_row(part, routing: Routing, num_experts: int, out_dtype):
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: BackwardConfig | None = None,
                      routing: Routing | None = None, swiglu_limit: float | None = None, glu_alpha: float | None = None,
-                     activation: str = "silu"):
+                     activation: str = "silu", overlap_wgrad: bool = True):
     """(dx, d_weights, d_w_gate_up, d_w_down): the semantics and dtypes of ``reference.experts_backward``.
+    overlap_wgrad: dW_gate_up on a second CUDA stream, next to dx and dW_down.
 
     dy [T, H] (any strides, stride 0 included), x [T, H], ids [T, k] (ids >= E: expert-parallel
     sentinels, zero contribution and zero gradient), weights [T, k], w_gate_up [E, 2I, H],
@@ -1031,7 +1032,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, config: 
             activation=activation,
         )
     by_load = experts_by_rows(routing)
-    side = side_stream(dev) if OVERLAP_WGRAD and dev.type == "cuda" and not interpreting() else None
+    side = side_stream(dev) if overlap_wgrad and dev.type == "cuda" and not interpreting() else None
     main = torch.cuda.current_stream(dev) if side is not None else None
     if side is not None:
         # dW_gate_up needs only d_h, x and the routing, all ready (everything above is queued on this
@@ -1070,9 +1071,8 @@ def check_saved_h(h, S: int, w_gate_up) -> None:
         )
 
 
-# dW_gate_up on a second CUDA stream, concurrent with dx and dW_down (bench/KERNELS_NOTES.md, backward).
+# dW_gate_up on a second CUDA stream, concurrent with dx and dW_down (``overlap_wgrad``: ``config.overlap_wgrad``).
 # grouped_mm_path.py runs on one stream (its CUTLASS GEMMs each fill the GPU).
-OVERLAP_WGRAD = True
 _SIDE_STREAMS: dict = {}
 
 

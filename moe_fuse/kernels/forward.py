@@ -17,7 +17,7 @@ def supports(x, ids, weights, w_gate_up, w_down, *, gated: bool = True) -> bool:
     """True when ``experts_forward`` handles these inputs; the op falls back to the reference otherwise.
 
     gated False: experts without a gate, w_gate_up the up projection [E, I, H] (only grouped_mm_path computes them:
-    ``kernels.supports``)."""
+    ``dispatch.supports``)."""
     tensors = (x, ids, weights, w_gate_up, w_down)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return False

@@ -1,17 +1,16 @@
 """The experts block as GEMMs on expert-sorted operands, with Triton kernels around them.
 
-Where it applies (CUDA sm90+, everything bf16, 16-byte rows), grouped GEMMs on contiguous,
-expert-sorted operands run at ~640 TFLOP/s on an H200, against 500-600 for our Triton GEMMs that
-gather their rows inside the A-load (bench/KERNELS_NOTES.md). The weight gradients go through
-``torch._grouped_mm`` (CUTLASS); the four row-ragged GEMMs through ``ragged_gemm`` from
-RAGGED_MIN_ROWS routed rows up (same results bit for bit, less of each expert's tail computed), else
+Where it applies (``dispatch.grouped_mm_applies``: CUDA sm90+, everything bf16, 16-byte rows), grouped GEMMs
+on contiguous, expert-sorted operands run faster than the fused Triton GEMMs that gather their rows inside the
+A-load (docs/kernels.md). The weight gradients go through ``torch._grouped_mm`` (CUTLASS); the four row-ragged
+GEMMs through ``ragged_gemm`` when the caller says ``ragged`` (``dispatch.ragged``: from
+``config.ragged_min_rows`` routed rows up; same results bit for bit, less of each expert's tail computed), else
 through ``torch._grouped_mm`` too. The price is the expert-sorted copies
 of x (kept from the forward for the backward, with h [S, 2I] and the routing) and of dy, [S, H]
 each, in memory. The Triton kernels keep what a GEMM library does not do: the routing, the sorted
 copies (``permute.expand_rows``), SwiGLU, the dSwiGLU pass with the routing-weight gradient, and
-fixed-order combines. ``kernels.experts_forward`` takes this path only when h is kept
-for the backward anyway (``save_h``); without, the fused Triton forward never writes h and is faster
-on the 30B layer.
+fixed-order combines. ``dispatch.plan`` picks this path when h is kept for the backward anyway (``save_h``);
+without, the fused Triton forward never writes h and is faster on the 30B layer.
 
     forward   xs = x[tok]                          [S, H]  (tok = routing.token: rows sorted by expert)
               h  = xs @ W_gate_up[e]^T             [S, 2I] (gate | up)
@@ -34,75 +33,17 @@ zero weight gradients. Every step is deterministic (no atomics, no split-K).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-import triton
 import triton.language as tl
 
 from ..reference import gated, limit_in, softcaps
 from ._jit import cdiv, interpreting, lazy_jit
-from . import gluon_ragged
-from . import gluon_wgrad
 from . import transposed
 from . import ungated
 from .backward import bias_operands, check_saved_h, dswiglu, expert_sums
 from .permute import combine_sorted, expand_rows
 from .ragged_gemm import ragged_gemm, tile_map
 from .routing import Routing, route
-
-# Off: the all-Triton GEMMs (kernels/grouped_gemm.py, kernels/backward.py) wherever this path would apply.
-ENABLED = True
-# The four row-ragged GEMMs (gate_up, down, dgrad, dx) through kernels/ragged_gemm.py (128-row steps per
-# expert) instead of torch._grouped_mm (256-row steps on sm90), from RAGGED_MIN_ROWS routed rows up. Off:
-# every GEMM through torch. A ragged_gemm call costs ~120 us of host time against ~33 for
-# torch._grouped_mm, and the 30B step at T=4096 (32K rows) is host-bound: 3.34 ms with it, 2.70
-# without. At T=8192 (64K rows) it gained 0.07 ms of 4.36, at T=16384 (128K rows) ~0.1 ms of 7.8
-# (bench/PERF_LOG.md, bench/KERNELS_NOTES.md).
-RAGGED_TRITON = True
-RAGGED_MIN_ROWS = 65536
-# Where ragged_gemm applies, GEMMs of the shapes ``gluon_ragged.suits`` names can run the warp-specialized
-# Gluon kernel instead (same bits). GLUON: the plain GEMMs; 3-7% faster alone on the 30B GEMMs but no faster
-# in the layer step, which is energy-bound (bench/KERNELS_NOTES.md), so off. GLUON_SWIGLU: gate_up with the
-# SwiGLU pass in its epilogue (same bits, h not read back); GLUON_DSWIGLU: dgrad with the dSwiGLU pass in its
-# epilogue (d_weights summed in another order).
-GLUON = False
-GLUON_SWIGLU = False
-GLUON_DSWIGLU = False
-# On sm90, from RAGGED_MIN_ROWS routed rows up, the two weight gradients through the cooperative Gluon kernel
-# (kernels/gluon_wgrad.py, same bits as torch._grouped_mm) instead of CUTLASS: at 30B T=16384 on an H100, 7% /
-# 1% fewer joules per call and the layer step 0.7% faster (bench/PERF_LOG.md, 2026-12-05). sm90 only: its
-# warpgroup MMAs do not exist on later architectures.
-GLUON_WGRAD = True
-_CAPABILITY: dict = {}
-
-
-def applies(x, w_gate_up, w_down, *others) -> bool:
-    """CUDA sm90+, x, the weights and ``others`` all bf16, 16-byte aligned weights that are contiguous or
-    ``transposed``, H and I multiples of 8.
-
-    (CUTLASS wants 16-byte aligned rows in both operand layouts; the Triton kernels take any strides.)
-    Reads only metadata (alignment from the storage offset: the allocator's blocks start 512-byte
-    aligned), so the op's fake implementation asks the same question and predicts the same outputs.
-    """
-    if not (ENABLED and x.is_cuda and hasattr(torch, "_grouped_mm") and not interpreting()):
-        return False
-    if not all((w.is_contiguous() or transposed(w)) and w.storage_offset() * w.element_size() % 16 == 0
-               for w in (w_gate_up, w_down)):
-        return False
-    if not all(t.dtype == torch.bfloat16 for t in (x, w_gate_up, w_down, *others)):
-        return False
-    H, I = w_down.shape[1], w_down.shape[2]
-    return _major(x.device) >= 9 and H % 8 == 0 and I % 8 == 0
-
-
-def _major(device) -> int:
-    """The CUDA device's compute capability major, asked once per device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
-    return _CAPABILITY[index]
-
 
 @lazy_jit
 def _swiglu_kernel(
@@ -219,29 +160,21 @@ def _row_gemm(a, w, tiles, ends, *, w_kmajor):
     if tiles is not None and transposed(w):
         return ragged_gemm(a, w.transpose(1, 2), tiles, b_kmajor=not w_kmajor)
     if tiles is not None:
-        N, K = (w.shape[1], w.shape[2]) if w_kmajor else (w.shape[2], w.shape[1])
-        if GLUON and _major(a.device) == 9 and gluon_ragged.suits(N, K) and a.is_contiguous() and w.is_contiguous():
-            return gluon_ragged.ragged_gemm(a, w, tiles, b_kmajor=w_kmajor)
         return ragged_gemm(a, w, tiles, b_kmajor=w_kmajor)
     return torch._grouped_mm(a, w.transpose(1, 2) if w_kmajor else w, offs=ends)
-
-
-def _fused(switch: bool, tiles, N: int, K: int, w) -> bool:
-    """Whether a GEMM of B[e] [K, N] runs the Gluon kernel with its pass in the epilogue (w: the expert weights,
-    contiguous: the kernel's descriptors are for that layout). sm90 only, as gluon_wgrad: warpgroup MMAs."""
-    return switch and tiles is not None and w.is_contiguous() and _major(w.device) == 9 and gluon_ragged.suits(N, K)
 
 
 BUILD = object()  # the default of a ``tiles`` argument: build the tile map (None is a value: torch's GEMMs)
 
 
-def _tiles(routing: Routing, rows: int):
-    return tile_map(routing.offsets, rows) if RAGGED_TRITON and rows >= RAGGED_MIN_ROWS else None
+def _tiles(routing: Routing, rows: int, ragged: bool):
+    """The tile map of the Triton ragged GEMM (``ragged``: ``dispatch.ragged``), else None: torch._grouped_mm."""
+    return tile_map(routing.offsets, rows) if ragged else None
 
 
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False,
                     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
-                    gate_up_bias=None, interleaved: bool = False):
+                    gate_up_bias=None, interleaved: bool = False, ragged: bool = False):
     """Same contract as ``forward.experts_forward`` (y, or (y, h, routing) with ``save_h``); needs S > 0.
     gate_up_bias, interleaved: as ``reference.experts_forward``'s (h is kept without the bias).
 
@@ -254,27 +187,20 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     E = w_gate_up.shape[0]
     routing = route(ids, E)
     ends = routing.offsets[1:]
-    tiles = _tiles(routing, T * k)
+    tiles = _tiles(routing, T * k, ragged)
     xs = expand_rows(x, routing.pos.view(T, k))  # = x[routing.token], reading x once
     rw = weights.reshape(-1).contiguous()
     # The routing weight scales the down GEMM's input rows, not its output: the combine then only
     # sums, and the scaled rows are dW_down's operand too.
-    # the Gluon epilogues: plain silu only
-    plain = swiglu_limit is None and glu_alpha is None and activation == "silu" and gate_up_bias is None \
-        and not interleaved
     # What is not returned is dropped once read (xs after the gate_up GEMM, h without save_h after the
     # activation): the forward without h then never holds xs, h and aw at once.
     kept_xs = xs if save_h and keep_rows else None
-    if plain and _fused(GLUON_SWIGLU, tiles, w_gate_up.shape[1], w_gate_up.shape[2], w_gate_up):
-        h, aw = gluon_ragged.gate_up_swiglu(xs, w_gate_up, tiles, rw, routing.order)  # same bits as below
-        del xs
-    else:
-        h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
-        del xs
-        if gated(activation):
-            aw = swiglu(h, routing, rw, swiglu_limit, glu_alpha, activation, gate_up_bias, ids, interleaved)
-        else:  # up projection only: h [S, I]
-            aw = ungated.act(h, routing, rw, activation)
+    h = _row_gemm(xs, w_gate_up, tiles, ends, w_kmajor=True)
+    del xs
+    if gated(activation):
+        aw = swiglu(h, routing, rw, swiglu_limit, glu_alpha, activation, gate_up_bias, ids, interleaved)
+    else:  # up projection only: h [S, I]
+        aw = ungated.act(h, routing, rw, activation)
     if not save_h:
         del h
     o = _row_gemm(aw, w_down, tiles, ends, w_kmajor=True)
@@ -286,7 +212,7 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
 
 def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=None, xs=None, aw=None,
                      swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
-                     gate_up_bias=None, interleaved: bool = False):
+                     gate_up_bias=None, interleaved: bool = False, ragged: bool = False):
     """Same contract as ``backward.experts_backward``; needs S > 0. With gate_up_bias (``reference.experts_backward``'s,
     as interleaved): (..., d_gate_up_bias), each expert's rows of d_h summed.
 
@@ -304,7 +230,7 @@ def experts_backward(dy, x, ids, weights, w_gate_up, w_down, h=None, *, routing=
     ids = ids.contiguous()
     if routing is None:
         routing = route(ids, E)
-    tiles = _tiles(routing, S)  # one tile map for the four row-ragged GEMMs
+    tiles = _tiles(routing, S, ragged)  # one tile map for the four row-ragged GEMMs
     if h is None:
         if xs is None:
             xs = expand_rows(x, routing.pos.view(T, k))
@@ -331,7 +257,7 @@ def check_kept(t, S: int, cols: int, dtype, name: str, dim: str):
 
 def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swiglu_limit: float | None = None,
                   glu_alpha: float | None = None, activation: str = "silu", gate_up_bias=None,
-                  interleaved: bool = False, tiles=BUILD):
+                  interleaved: bool = False, ragged: bool = False, tiles=BUILD):
     """The backward's first half, from dy to d_h: (d_h [S, 2I] (experts without a gate: [S, I]), d_weights [T, k],
     dW_down). Reads h and aw (None: the dSwiGLU pass writes it), which nothing after it reads. tiles: the caller's
     ``_tiles(routing, S)``, else built here.
@@ -347,15 +273,9 @@ def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swi
     check_kept(aw, S, I, w_down.dtype, "aw", "I")
     dy = dy.contiguous()  # the gradient of a sum arrives with stride 0
     ends = routing.offsets[1:]
-    tiles = _tiles(routing, S) if tiles is BUILD else tiles
+    tiles = _tiles(routing, S, ragged) if tiles is BUILD else tiles
     dys = expand_rows(dy, routing.pos.view(T, k))
     rw = weights.reshape(-1).contiguous()
-    plain = swiglu_limit is None and glu_alpha is None and activation == "silu" and gate_up_bias is None \
-        and not interleaved
-    if aw is not None and plain and _fused(GLUON_DSWIGLU, tiles, I, w_down.shape[1], w_down):
-        # d_h bitwise the unfused pass's; d_weights summed over 128-column partials (fixed order)
-        dh, d_weights = gluon_ragged.dgrad_dswiglu(dys, w_down, h, tiles, rw, routing.order, weights.dtype)
-        return dh, d_weights.view(T, k), _wgrad(dys, aw, routing.offsets, transposed(w_down))
     g = _row_gemm(dys, w_down, tiles, ends, w_kmajor=False)  # [S, I]
     d_wd = None
     if aw is not None:
@@ -375,14 +295,14 @@ def backward_down(dy, ids, weights, w_down, h, routing: Routing, aw=None, *, swi
     return dh, d_weights.view(T, k), d_wd
 
 
-def backward_gate_up(dh, x, ids, w_gate_up, routing: Routing, *, bias_dtype=None, tiles=BUILD):
+def backward_gate_up(dh, x, ids, w_gate_up, routing: Routing, *, bias_dtype=None, ragged: bool = False, tiles=BUILD):
     """The backward's second half, from d_h: (dx, d_gate_up_bias in bias_dtype or None). tiles: as
     ``backward_down``'s. dW_gate_up is ``backward_weight_gate_up``'s: apart, so that a compiled backward can run it
     later (it reads d_h and xs, and nothing after it in the layer's backward reads its [E, 2I, H] result)."""
     T, k = ids.shape
     S, E = T * k, w_gate_up.shape[0]
     ends = routing.offsets[1:]
-    tiles = _tiles(routing, S) if tiles is BUILD else tiles
+    tiles = _tiles(routing, S, ragged) if tiles is BUILD else tiles
     # One stream: each CUTLASS GEMM fills every SM, so a weight-gradient GEMM on a second stream only
     # starts when the one before it ends (bench/results/trace_layer_paced_2026-11-30.log); layer steps
     # measured the same with and without (bench/PERF_LOG.md).
@@ -406,39 +326,9 @@ def _wgrad(p, q, offsets, in_transposed: bool):
     the contiguous [E, N, M] of q^T p and returned as its transpose: the layout of weights stored transposed."""
     if in_transposed:
         p, q = q, p
-    out = None
-    if GLUON_WGRAD and p.shape[0] >= RAGGED_MIN_ROWS and gluon_wgrad.runs_on(p, q) and _major(p.device) == 9:
-        out = _gluon_wgrad(p, q, offsets)
-    if out is None:
-        out = torch._grouped_mm(p.t(), q, offs=offsets[1:])
+    out = torch._grouped_mm(p.t(), q, offs=offsets[1:])
     return out.transpose(1, 2) if in_transposed else out
 
 
-_GLUON_WGRAD_STATE = {"built": False, "failed": None}
-
-
-def _gluon_wgrad(p, q, offsets):
-    """gluon_wgrad.wgrad, or None if its first launch fails: Gluon's API is experimental and moves between triton
-    releases, so a triton that cannot build the kernel gets CUTLASS (same results), with one warning. Once a launch
-    has succeeded, a failure is an error like any other."""
-    if _GLUON_WGRAD_STATE["failed"]:
-        return None
-    try:
-        out = gluon_wgrad.wgrad(p, q, offsets)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as err:
-        if _GLUON_WGRAD_STATE["built"]:
-            raise
-        _GLUON_WGRAD_STATE["failed"] = f"{type(err).__name__}: {err}"
-        warnings.warn(f"moe_fuse: the Gluon weight-gradient kernel could not be built with triton "
-                      f"{triton.__version__} ({_GLUON_WGRAD_STATE['failed']}); using torch._grouped_mm instead "
-                      f"(the same results)", stacklevel=2)
-        return None
-    _GLUON_WGRAD_STATE["built"] = True
-    return out
-
-
-__all__ = ["ENABLED", "GLUON", "GLUON_DSWIGLU", "GLUON_SWIGLU", "GLUON_WGRAD",
-           "RAGGED_MIN_ROWS", "RAGGED_TRITON", "applies", "backward_down", "backward_gate_up",
-           "backward_weight_gate_up", "experts_backward", "experts_forward", "swiglu"]
+__all__ = ["backward_down", "backward_gate_up", "backward_weight_gate_up", "experts_backward", "experts_forward",
+           "swiglu"]

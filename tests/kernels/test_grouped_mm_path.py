@@ -1,11 +1,11 @@
 """kernels/grouped_mm_path.py (GEMMs through torch._grouped_mm, the row-ragged ones through
-kernels/ragged_gemm.py unless RAGGED_TRITON is off) against the float64 reference.
+kernels/ragged_gemm.py unless config.ragged_gemm is off) against the float64 reference.
 
 On CPU, torch._grouped_mm is torch's fallback and the Triton kernels (ragged GEMM, SwiGLU, dSwiGLU,
-combines) run in the interpreter; on the GPU the same functions run CUTLASS. ``applies`` is False on
+combines) run in the interpreter; on the GPU the same functions run CUTLASS. ``dispatch.grouped_mm_applies`` is False on
 CPU, so the path's functions are called directly (the dispatch test pretends it is True). Rows
 outside every group (expert-parallel sentinels) come back from either GEMM as NaN here: nothing may
-read them. Every test runs with RAGGED_TRITON on and off.
+read them. Every test runs with the ragged GEMM on and off.
 """
 
 import os
@@ -23,6 +23,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 from test_kernels_backward import NAMES, ref64 as ref64_backward  # noqa: E402
 from test_kernels_forward import DEVICE, make_case, poisoned_buffers, ref64, rel_err  # noqa: E402
 
+from moe_fuse import config, dispatch  # noqa: E402
+from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
 from moe_fuse import kernels  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
 
@@ -41,8 +43,8 @@ CASES = {
 @pytest.fixture(autouse=True, params=[True, False], ids=["ragged_triton", "grouped_mm"])
 def nan_outside_groups(monkeypatch, request):
     """Both GEMM routes with the rows (or, for weight gradients, nothing) outside every group set to NaN."""
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_TRITON", request.param)
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)  # the test cases have a few hundred rows
+    monkeypatch.setattr(config, "ragged_gemm", request.param)
+    monkeypatch.setattr(config, "ragged_min_rows", 0)  # the test cases have a few hundred rows
     real = torch._grouped_mm
 
     def poisoned(a, b, offs=None, **kw):
@@ -77,7 +79,7 @@ def test_forward_and_backward_match_reference(name, monkeypatch):
     x, ids, weights, w_gate_up, w_down = args
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEVICE)
     with poisoned_buffers(monkeypatch):
-        y, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
+        y, h, routing, xs, aw = grouped_mm_forward(*args, save_h=True, keep_rows=True)
     check([y], [ref64(*args)], [x], TOL[dtype], ["y"])
     routed = int(routing.offsets[-1])
     assert torch.equal(xs[:routed], x[routing.token.long()][:routed])
@@ -88,9 +90,9 @@ def test_forward_and_backward_match_reference(name, monkeypatch):
     want = ref64_backward(dy, *args)
     like = (x, weights, w_gate_up, w_down)
     with poisoned_buffers(monkeypatch):
-        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
-        saved_h = grouped_mm_path.experts_backward(dy, *args, h)
-        recomputed = grouped_mm_path.experts_backward(dy, *args)
+        kept = grouped_mm_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
+        saved_h = grouped_mm_backward(dy, *args, h)
+        recomputed = grouped_mm_backward(dy, *args)
     for grads in (kept, saved_h, recomputed):
         check(grads, want, like, TOL[dtype], NAMES)
     for a, b, c in zip(kept, saved_h, recomputed):  # what the forward kept is what the backward recomputes
@@ -109,13 +111,13 @@ def test_weights_stored_transposed(name, monkeypatch):
     assert all(kernels.transposed(v) for v in views)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
     with poisoned_buffers(monkeypatch):
-        want = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
-        got = grouped_mm_path.experts_forward(x, ids, weights, *views, save_h=True, keep_rows=True)
+        want = grouped_mm_forward(*args, save_h=True, keep_rows=True)
+        got = grouped_mm_forward(x, ids, weights, *views, save_h=True, keep_rows=True)
     routed = int(want[2].offsets[-1])
     tol = TOL[dtype] / 100  # torch's CPU fallback sums in another order for the other layout (fp32 bits differ)
     assert rel_err(got[0], want[0]) < tol and rel_err(got[1][:routed], want[1][:routed]) < tol
-    g_want = grouped_mm_path.experts_backward(dy, *args, want[1], routing=want[2], xs=want[3], aw=want[4])
-    g_got = grouped_mm_path.experts_backward(dy, x, ids, weights, *views, got[1], routing=got[2], xs=got[3], aw=got[4])
+    g_want = grouped_mm_backward(dy, *args, want[1], routing=want[2], xs=want[3], aw=want[4])
+    g_got = grouped_mm_backward(dy, x, ids, weights, *views, got[1], routing=got[2], xs=got[3], aw=got[4])
     for n, g, r in zip(NAMES, g_got, g_want):
         assert rel_err(g, r) < tol, n
     assert g_got[2].stride() == views[0].stride() and g_got[3].stride() == views[1].stride()
@@ -126,9 +128,9 @@ def test_backward_reads_the_kept_operands_and_names_bad_ones():
     T, k, E, H, I, dtype, mode = CASES["uneven_fp32"]
     args = make_case(T, k, E, H, I, dtype, mode, seed=11)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    _, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
-    base = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
-    doubled = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw * 2)
+    _, h, routing, xs, aw = grouped_mm_forward(*args, save_h=True, keep_rows=True)
+    base = grouped_mm_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
+    doubled = grouped_mm_backward(dy, *args, h, routing=routing, xs=xs, aw=aw * 2)
     for name, a, b in zip(NAMES, base, doubled):
         if name == "d_w_down":  # dW_down = dy[tok]^T aw: twice the operand, twice the gradient
             torch.testing.assert_close(b, 2 * a)
@@ -136,19 +138,19 @@ def test_backward_reads_the_kept_operands_and_names_bad_ones():
             assert torch.equal(a, b), name
     S = T * k
     with pytest.raises(ValueError, match=rf"saved aw must be a contiguous \[S={S}, I={I}\] torch.float32 tensor, got \({S}, {2 * I}\)"):
-        grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=h)
+        grouped_mm_backward(dy, *args, h, routing=routing, xs=xs, aw=h)
     with pytest.raises(ValueError, match=rf"saved rows must be a contiguous \[S={S}, H={H}\] torch.float32 tensor"):
-        grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs[:-1], aw=aw)
+        grouped_mm_backward(dy, *args, h, routing=routing, xs=xs[:-1], aw=aw)
 
 
 def test_matches_the_triton_kernels_path():
     """Same fp32 inputs through both implementations (GEMMs in torch vs in Triton): equal to 1e-5."""
     args = make_case(40, 4, 6, 48, 32, torch.float32, "skewed", seed=3)
     dy = torch.randn(40, 48, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    y, h, _ = grouped_mm_path.experts_forward(*args, save_h=True)
-    y_t, h_t, _ = kernels.experts_forward(*args, save_h=True)
+    y, h, _ = grouped_mm_forward(*args, save_h=True)
+    y_t, h_t, _ = dispatch.experts_forward(*args, save_h=True)
     assert rel_err(y, y_t) < 1e-5 and rel_err(h, h_t) < 1e-5
-    for a, b in zip(grouped_mm_path.experts_backward(dy, *args, h), kernels.experts_backward(dy, *args, h_t)):
+    for a, b in zip(grouped_mm_backward(dy, *args, h), dispatch.experts_backward(dy, *args, h_t)):
         assert rel_err(a, b) < 1e-5
 
 
@@ -167,23 +169,23 @@ def test_combine_sorted_skips_sentinel_slots():
 
 
 def test_dispatch_takes_the_path_for_training_only(monkeypatch):
-    """kernels.experts_forward takes the path when h is kept for the backward; the backward always where it applies."""
+    """dispatch.experts_forward takes the path when h is kept for the backward; the backward always where it applies."""
     calls = []
     for name in ("experts_forward", "experts_backward"):
         real = getattr(grouped_mm_path, name)
         monkeypatch.setattr(grouped_mm_path, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-    monkeypatch.setattr(grouped_mm_path, "applies", lambda *a: True)
+    monkeypatch.setattr(dispatch, "grouped_mm_applies", lambda *a: True)
     args = make_case(12, 2, 4, 16, 8, torch.float32, seed=5)
     dy = torch.randn(12, 16).to(DEVICE)
-    kernels.experts_forward(*args)
+    dispatch.experts_forward(*args)
     assert calls == []  # inference / checkpointed layers: the fused Triton forward, no h in memory
-    _, h, routing, xs, aw = kernels.experts_forward(*args, save_h=True, keep_rows=True)
+    _, h, routing, xs, aw = dispatch.experts_forward(*args, save_h=True, keep_rows=True)
     assert xs.shape == (12 * 2, 16) and aw.shape == (12 * 2, 8)
-    kernels.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
-    kernels.experts_backward(dy, *args)
+    dispatch.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
+    dispatch.experts_backward(dy, *args)
     assert calls == ["experts_forward", "experts_backward", "experts_backward"]
     empty = [t[:0] for t in args[:3]] + args[3:]
-    assert kernels.experts_forward(*empty, save_h=True, keep_rows=True)[3:] == (None, None)  # S = 0: the Triton path
+    assert dispatch.experts_forward(*empty, save_h=True, keep_rows=True)[3:] == (None, None)  # S = 0: the Triton path
     assert len(calls) == 3
 
 
@@ -193,12 +195,12 @@ def test_dispatch_of_weights_stored_transposed(monkeypatch):
     calls = []
     real = grouped_mm_path.experts_forward
     monkeypatch.setattr(grouped_mm_path, "experts_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(grouped_mm_path, "applies", lambda *a: True)
+    monkeypatch.setattr(dispatch, "grouped_mm_applies", lambda *a: True)
     x, ids, weights, w_gate_up, w_down = make_case(12, 2, 4, 16, 8, torch.float32, seed=6)
     views = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_gate_up, w_down)]
-    want = kernels.experts_forward(x, ids, weights, w_gate_up, w_down)
+    want = dispatch.experts_forward(x, ids, weights, w_gate_up, w_down)
     assert calls == []
-    got = kernels.experts_forward(x, ids, weights, *views)
+    got = dispatch.experts_forward(x, ids, weights, *views)
     assert calls == [1] and rel_err(got, want) < 1e-6
 
 
@@ -206,45 +208,45 @@ def test_ragged_gemm_from_min_rows_up(monkeypatch):
     """The row-ragged GEMMs go through ragged_gemm from RAGGED_MIN_ROWS routed rows up, else through torch."""
     args = make_case(12, 2, 4, 16, 8, torch.float32, seed=5)
     dy = torch.randn(12, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_TRITON", True)  # whatever the fixture chose
+    monkeypatch.setattr(config, "ragged_gemm", True)  # whatever the fixture chose
     calls = []
     real = grouped_mm_path.ragged_gemm
     monkeypatch.setattr(grouped_mm_path, "ragged_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for min_rows, want in ((24, 4), (25, 0)):  # 12 tokens x k=2 = 24 rows
-        monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", min_rows)
+        monkeypatch.setattr(config, "ragged_min_rows", min_rows)
         calls.clear()
-        _, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True)
-        grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
+        _, h, routing, xs, aw = grouped_mm_forward(*args, save_h=True, keep_rows=True)
+        grouped_mm_backward(dy, *args, h, routing=routing, xs=xs, aw=aw)
         assert len(calls) == want, (min_rows, len(calls))
 
 
 def test_inference_rule_follows_the_routing_weights_dtype(monkeypatch):
     """The forward without h takes grouped_mm_path when the routing weights are wider than x (the fused forward
-    would keep the k slots in that dtype); kernels.INFERENCE_GROUPED_MM forces either way."""
+    would keep the k slots in that dtype); config.inference_grouped_mm forces either way."""
     x16, x32 = torch.empty(2, 4, dtype=torch.bfloat16), torch.empty(2, 4)
     w16, w32 = torch.empty(2, 2, dtype=torch.bfloat16), torch.empty(2, 2)
-    assert kernels.INFERENCE_GROUPED_MM is None
-    assert kernels.inference_on_grouped_mm(x16, w32)
-    assert not kernels.inference_on_grouped_mm(x16, w16)
-    assert not kernels.inference_on_grouped_mm(x32, w32)
-    monkeypatch.setattr(kernels, "INFERENCE_GROUPED_MM", False)
-    assert not kernels.inference_on_grouped_mm(x16, w32)
-    monkeypatch.setattr(kernels, "INFERENCE_GROUPED_MM", True)
-    assert kernels.inference_on_grouped_mm(x32, w32)
+    assert config.inference_grouped_mm is None
+    assert dispatch.inference_on_grouped_mm(x16, w32)
+    assert not dispatch.inference_on_grouped_mm(x16, w16)
+    assert not dispatch.inference_on_grouped_mm(x32, w32)
+    monkeypatch.setattr(config, "inference_grouped_mm", False)
+    assert not dispatch.inference_on_grouped_mm(x16, w32)
+    monkeypatch.setattr(config, "inference_grouped_mm", True)
+    assert dispatch.inference_on_grouped_mm(x32, w32)
 
 
 def test_inference_switch_sends_the_forward_without_h_to_the_path(monkeypatch):
-    """kernels.INFERENCE_GROUPED_MM = True (a bench A/B switch): the forward without h takes grouped_mm_path
+    """config.inference_grouped_mm = True (a bench A/B switch): the forward without h takes grouped_mm_path
     even with weights in x's dtype, with the same y as the fused Triton forward's within rounding."""
     calls = []
     real = grouped_mm_path.experts_forward
     monkeypatch.setattr(grouped_mm_path, "experts_forward", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    monkeypatch.setattr(grouped_mm_path, "applies", lambda *a: True)
+    monkeypatch.setattr(dispatch, "grouped_mm_applies", lambda *a: True)
     args = make_case(12, 2, 4, 16, 8, torch.float32, seed=6)
-    fused = kernels.experts_forward(*args)
-    assert calls == [] and kernels.INFERENCE_GROUPED_MM is None
-    monkeypatch.setattr(kernels, "INFERENCE_GROUPED_MM", True)
-    y = kernels.experts_forward(*args)
+    fused = dispatch.experts_forward(*args)
+    assert calls == [] and config.inference_grouped_mm is None
+    monkeypatch.setattr(config, "inference_grouped_mm", True)
+    y = dispatch.experts_forward(*args)
     assert len(calls) == 1 and calls[0]["save_h"] is False
     check([y, fused], [ref64(*args)] * 2, [args[0]] * 2, TOL[torch.float32], ["path", "fused"])
 
@@ -281,182 +283,8 @@ def test_forward_drops_what_it_does_not_return_once_read(save_h, keep_rows, monk
     monkeypatch.setattr(grouped_mm_path, "_row_gemm", gemm)
     monkeypatch.setattr(grouped_mm_path, "swiglu", act)
     args = make_case(24, 2, 4, 16, 8, torch.float32, seed=7)
-    out = grouped_mm_path.experts_forward(*args, save_h=save_h, keep_rows=keep_rows)
+    out = grouped_mm_forward(*args, save_h=save_h, keep_rows=keep_rows)
     assert at_act == [save_h and keep_rows]
     assert seen[1] == {"xs": save_h and keep_rows, "h": save_h}
     y = out[0] if save_h else out
     assert rel_err(y, ref64(*args)) < TOL[torch.float32]
-
-
-@pytest.mark.parametrize("stored", ["contiguous", "transposed"])
-@pytest.mark.parametrize("name", ["uneven_fp32", "ep_sentinels_fp32", "all_on_one_expert"])
-def test_gluon_wgrad_switch(name, stored, monkeypatch):
-    """GLUON_WGRAD: both weight gradients through gluon_wgrad.wgrad(p, q, offsets), P^T Q over each expert's rows
-    [offsets[e], offsets[e + 1]) (for weights stored transposed, Q^T P, transposed back). Gluon does not run here:
-    the kernel is stood in by that definition, a loop over the experts, so the gradients must match the default
-    path's (CUTLASS's) and every other result must be bitwise the same."""
-    from moe_fuse.kernels import gluon_wgrad
-
-    T, k, E, H, I, dtype, mode = CASES[name]
-    x, ids, weights, w_gate_up, w_down = make_case(T, k, E, H, I, dtype, mode, seed=11)
-    if stored == "transposed":
-        w_gate_up, w_down = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_gate_up, w_down))
-    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
-    calls = []
-
-    def stand_in(p, q, offsets):
-        calls.append((p.shape[1], q.shape[1]))
-        assert offsets.dtype == torch.int32 and offsets.numel() == E + 1 and int(offsets[0]) == 0
-        out = torch.full((E, p.shape[1], q.shape[1]), float("nan"), dtype=p.dtype)
-        for e in range(E):
-            lo, hi = int(offsets[e]), int(offsets[e + 1])
-            out[e] = p[lo:hi].t() @ q[lo:hi]
-        return out
-
-    monkeypatch.setattr(gluon_wgrad, "wgrad", stand_in)
-    monkeypatch.setattr(gluon_wgrad, "runs_on", lambda p, q: True)
-    monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 9)
-    monkeypatch.setattr(grouped_mm_path, "_GLUON_WGRAD_STATE", {"built": False, "failed": None})
-
-    def step():
-        y, h, routing, xs, aw = grouped_mm_path.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=True,
-                                                                keep_rows=True)
-        dh, d_weights, d_wd = grouped_mm_path.backward_down(dy, ids, weights, w_down, h, routing, aw)
-        dx, _ = grouped_mm_path.backward_gate_up(dh, x, ids, w_gate_up, routing)
-        d_wgu = grouped_mm_path.backward_weight_gate_up(dh, x, ids, w_gate_up, routing, xs)
-        return (y, dx, d_weights), (d_wgu, d_wd)
-
-    assert grouped_mm_path.GLUON_WGRAD is True  # on by default: same bits as CUTLASS on the GPU, fewer joules
-    monkeypatch.setattr(grouped_mm_path, "GLUON_WGRAD", False)
-    want_rest, want_w = step()
-    assert not calls
-    monkeypatch.setattr(grouped_mm_path, "GLUON_WGRAD", True)
-    got_rest, got_w = step()
-    # dW_down = dys^T aw, then dW_gate_up = d_h^T xs (stored transposed: aw^T dys and xs^T d_h)
-    assert calls == ([(H, I), (2 * I, H)] if stored == "contiguous" else [(I, H), (H, 2 * I)])
-    for g, w in zip(got_rest, want_rest):
-        assert torch.equal(g, w)
-    for g, w in zip(got_w, want_w):
-        assert g.shape == w.shape and g.stride() == w.stride()
-        assert rel_err(g, w) < 1e-6
-    calls.clear()
-    monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 10)  # not Hopper: no warpgroup MMAs
-    step()
-    assert not calls
-    monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 9)
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", T * k + 1)  # fewer routed rows than the threshold
-    step()
-    assert not calls
-
-
-@pytest.mark.parametrize("stored", ["contiguous", "transposed"])
-def test_gluon_row_gemm_switches(stored, monkeypatch, request):
-    """GLUON, GLUON_SWIGLU, GLUON_DSWIGLU (off by default, the A/B variants moe_fuse_gluon*): the row-ragged GEMMs
-    that ``gluon_ragged.suits`` names go to the Gluon kernels, sm90 only, on the Triton route only, contiguous
-    weights only, and the fused epilogues for plain SwiGLU only. Gluon does not run here: each kernel is stood in
-    by what it computes with the path's own Triton kernels, so every result must stay bitwise the default's."""
-    from moe_fuse.kernels import gluon_ragged
-
-    T, k, E, H, I, dtype, mode = CASES["uneven_bf16"]
-    x, ids, weights, w_gate_up, w_down = make_case(T, k, E, H, I, dtype, mode, seed=12)
-    if stored == "transposed":
-        w_gate_up, w_down = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_gate_up, w_down))
-    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
-    calls, seen = [], {}
-    real_route = grouped_mm_path.route
-
-    def route(ids, num_experts):  # the stand-ins below need the routing their caller holds
-        seen["routing"] = real_route(ids, num_experts)
-        return seen["routing"]
-
-    def ragged(a, b, tiles, *, b_kmajor):
-        N, K = (b.shape[1], b.shape[2]) if b_kmajor else (b.shape[2], b.shape[1])
-        calls.append(("gemm", N, K))
-        return grouped_mm_path.ragged_gemm(a, b, tiles, b_kmajor=b_kmajor)
-
-    def gate_up_swiglu(xs, w, tiles, rw, order):
-        calls.append(("gate_up_swiglu",))
-        assert order is seen["routing"].order
-        h = grouped_mm_path.ragged_gemm(xs, w, tiles, b_kmajor=True)
-        return h, grouped_mm_path.swiglu(h, seen["routing"], rw)
-
-    def dgrad_dswiglu(dys, w, h, tiles, rw, order, weights_dtype):
-        calls.append(("dgrad_dswiglu",))
-        g = grouped_mm_path.ragged_gemm(dys, w, tiles, b_kmajor=False)
-        dh, _, d_weights = grouped_mm_path.dswiglu(g, h, rw, seen["routing"], weights_dtype, write_aw=False)
-        return dh, d_weights
-
-    monkeypatch.setattr(grouped_mm_path, "route", route)
-    monkeypatch.setattr(gluon_ragged, "ragged_gemm", ragged)
-    monkeypatch.setattr(gluon_ragged, "gate_up_swiglu", gate_up_swiglu)
-    monkeypatch.setattr(gluon_ragged, "dgrad_dswiglu", dgrad_dswiglu)
-    monkeypatch.setattr(gluon_ragged, "suits", lambda N, K: K > I + 8)  # as on the 30B layer: not down (K = I)
-    monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 9)
-    monkeypatch.setattr(grouped_mm_path, "GLUON_WGRAD", False)
-
-    def step(**options):
-        y, h, routing, xs, aw = grouped_mm_path.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=True,
-                                                                keep_rows=True, **options)
-        dh, d_weights, d_wd = grouped_mm_path.backward_down(dy, ids, weights, w_down, h, routing, aw, **options)
-        dx, _ = grouped_mm_path.backward_gate_up(dh, x, ids, w_gate_up, routing)
-        d_wgu = grouped_mm_path.backward_weight_gate_up(dh, x, ids, w_gate_up, routing, xs)
-        return y, h, aw, dh, d_weights, d_wd, dx, d_wgu
-
-    assert (grouped_mm_path.GLUON, grouped_mm_path.GLUON_SWIGLU, grouped_mm_path.GLUON_DSWIGLU) == (False,) * 3
-    want = step()
-    assert not calls
-    triton_route = request.node.callspec.params["nan_outside_groups"]
-    for switches, expected in [
-        (("GLUON",), [("gemm", 2 * I, H), ("gemm", I, H), ("gemm", H, 2 * I)]),  # gate_up, dgrad, dx; not down
-        (("GLUON_SWIGLU", "GLUON_DSWIGLU"), [("gate_up_swiglu",), ("dgrad_dswiglu",)]),
-    ]:
-        for name in switches:
-            monkeypatch.setattr(grouped_mm_path, name, True)
-        got = step()
-        assert calls == (expected if triton_route and stored == "contiguous" else [])
-        for g, w in zip(got, want):
-            assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(), w.nan_to_num())  # NaN: no group
-        calls.clear()
-        step(swiglu_limit=7.0)  # the fused epilogues are plain SwiGLU's: only the plain Gluon GEMMs remain
-        assert calls == [c for c in expected if c[0] == "gemm" and triton_route and stored == "contiguous"]
-        calls.clear()
-        monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 10)  # not Hopper: no warpgroup MMAs
-        step()
-        assert not calls
-        monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 9)
-        for name in switches:
-            monkeypatch.setattr(grouped_mm_path, name, False)
-
-
-def test_gluon_wgrad_that_cannot_be_built_falls_back_to_cutlass_once(monkeypatch):
-    """A triton whose Gluon cannot build the kernel (its API is experimental): the first launch's error becomes one
-    warning naming it, that gradient and every later one come from torch._grouped_mm (the same results), and the
-    kernel is not tried again. After a launch has succeeded, a failure is raised as it is."""
-    from moe_fuse.kernels import gluon_wgrad
-
-    gen = torch.Generator().manual_seed(3)
-    p, q = torch.randn(96, 256, generator=gen), torch.randn(96, 128, generator=gen)
-    offsets = torch.tensor([0, 40, 40, 96], dtype=torch.int32)
-    want = torch._grouped_mm(p.t(), q, offs=offsets[1:])
-    tries = []
-
-    def cannot_build(*args):
-        tries.append(1)
-        raise RuntimeError("PassManager::run failed")
-
-    monkeypatch.setattr(gluon_wgrad, "wgrad", cannot_build)
-    monkeypatch.setattr(gluon_wgrad, "runs_on", lambda p, q: True)
-    monkeypatch.setattr(grouped_mm_path, "_major", lambda device: 9)
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)
-    monkeypatch.setattr(grouped_mm_path, "_GLUON_WGRAD_STATE", {"built": False, "failed": None})
-    with pytest.warns(UserWarning, match=r"moe_fuse: the Gluon weight-gradient kernel could not be built with triton "
-                                         r"\S+ \(RuntimeError: PassManager::run failed\); using torch._grouped_mm"):
-        got = grouped_mm_path._wgrad(p, q, offsets, in_transposed=False)
-    assert torch.equal(got, want) and tries == [1]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no second warning, no second try
-        assert torch.equal(grouped_mm_path._wgrad(p, q, offsets, in_transposed=False), want) and tries == [1]
-
-    monkeypatch.setattr(grouped_mm_path, "_GLUON_WGRAD_STATE", {"built": True, "failed": None})
-    with pytest.raises(RuntimeError, match="PassManager::run failed"):
-        grouped_mm_path._wgrad(p, q, offsets, in_transposed=False)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import triton
 
+from moe_fuse import config  # noqa: E402
 from moe_fuse.kernels import _jit
 
 
@@ -53,7 +54,7 @@ class FakeJIT:
 @pytest.fixture
 def kernel(monkeypatch):
     monkeypatch.setattr(_jit, "interpreting", lambda: False)
-    monkeypatch.setattr(_jit, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(config, "direct_launch", True)
     monkeypatch.setattr(_jit, "_TRITON_MINOR", _jit.DIRECT_LAUNCH_TRITON)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
@@ -102,7 +103,7 @@ def test_these_launches_always_go_through_triton(kernel, monkeypatch, why):
     k[(1,)](64, 10, BLOCK=32)
     grid = (1,)
     if why == "switch off":
-        monkeypatch.setattr(_jit, "DIRECT_LAUNCH", False)
+        monkeypatch.setattr(config, "direct_launch", False)
     elif why == "other triton":
         monkeypatch.setattr(_jit, "_TRITON_MINOR", "3.7")
     elif why == "profiler hook":

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 from test_kernels_forward import DEVICE, make_case, poisoned_buffers, rel_err  # noqa: E402
 
 from moe_fuse import kernels, reference  # noqa: E402
-from moe_fuse.kernels import experts_backward, experts_forward  # noqa: E402
+from moe_fuse.dispatch import experts_backward, experts_forward  # noqa: E402
 from moe_fuse.kernels.backward import BackwardConfig, GemmConfig  # noqa: E402
 from moe_fuse.kernels.backward import experts_backward as backward_with_config  # noqa: E402
 

@@ -22,7 +22,8 @@ import pytest  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 from moe_fuse import reference  # noqa: E402
-from moe_fuse.kernels import experts_forward, route, supports  # noqa: E402
+from moe_fuse.dispatch import experts_forward, supports  # noqa: E402
+from moe_fuse.kernels import route  # noqa: E402
 from moe_fuse.kernels.combine import combine  # noqa: E402
 from moe_fuse.kernels.grouped_gemm import GemmConfig, down, gate_up  # noqa: E402
 
@@ -226,7 +227,7 @@ def test_forward_is_deterministic_and_saves_h():
     y1 = experts_forward(*args)
     y2, h, routing = experts_forward(*args, save_h=True)
     assert torch.equal(y1, experts_forward(*args)) and torch.equal(y2, experts_forward(*args, save_h=True)[0])
-    from moe_fuse.kernels import uses_grouped_mm
+    from moe_fuse.dispatch import uses_grouped_mm
 
     if uses_grouped_mm(x, ids, w_gate_up, w_down):  # sm90 bf16: saving h takes the grouped_mm path (its own bits)
         assert rel_err(y2.cpu(), y1.cpu().double()) < TOL[torch.bfloat16]

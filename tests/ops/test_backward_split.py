@@ -16,6 +16,7 @@ from torch.library import opcheck  # noqa: E402
 from test_kernels_forward import DEVICE, make_case  # noqa: E402
 from test_keep_rows import on_grouped_mm_path  # noqa: E402, F401  (fixture)
 
+from moe_fuse import config, dispatch  # noqa: E402
 from moe_fuse import kernels, ops  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
 
@@ -31,7 +32,7 @@ def _step(args, dy, keep_rows, monkeypatch, split, **gate):
             real = getattr(grouped_mm_path, name)
             m.setattr(grouped_mm_path, name,
                       lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-        m.setattr(ops, "SPLIT_BACKWARD", split)
+        m.setattr(config, "split_backward", split)
         x, ids, weights, w_gate_up, w_down = args
         bias = [gate.pop("gate_up_bias")] if "gate_up_bias" in gate else []
         leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w_gate_up, w_down, *bias)]
@@ -51,7 +52,7 @@ def test_two_ops_give_the_single_ops_gradients(keep_rows, on_grouped_mm_path, mo
     # the single op runs both halves through experts_backward; the split calls them as ops
     assert split_calls == ["backward_down", "backward_gate_up", "backward_weight_gate_up"]
     assert one_calls == ["experts_backward", "backward_down", "backward_gate_up", "backward_weight_gate_up"]
-    want = kernels.experts_backward(dy, *args)  # the kernels called directly, h, xs and aw recomputed
+    want = dispatch.experts_backward(dy, *args)  # the kernels called directly, h, xs and aw recomputed
     for a, b, w in zip(split, one, want):
         assert torch.equal(a, b) and torch.equal(a, w)
 
@@ -128,10 +129,13 @@ def test_the_halves_refuse_other_paths():
                                                            routing)
 
 
-def test_the_switch_is_in_the_compile_cache_key(monkeypatch):
-    """ops.SPLIT_BACKWARD is read when the backward is traced: a compile cached with the other setting is not reused."""
+def test_the_switch_is_in_the_compile_cache_key():
+    """config.split_backward is read when the backward is traced: a compile cached with the other setting is not
+    reused."""
     from moe_fuse import backend
 
     split = backend.cache_tag()
-    monkeypatch.setattr(ops, "SPLIT_BACKWARD", False)
-    assert backend.cache_tag() == split + "-one-op"
+    with config.patch(split_backward=False):
+        one_op = backend.cache_tag()
+    assert one_op != split and one_op.rsplit("-", 1)[0] == split.rsplit("-", 1)[0]  # same sources, other settings
+    assert backend.cache_tag() == split

@@ -23,6 +23,8 @@ from test_kernels_forward import DEVICE, make_case, poisoned_buffers, rel_err  #
 from test_ops import random_case  # noqa: E402
 from test_swiglu_limit import compare, experts_entries  # noqa: E402
 
+from moe_fuse import config, dispatch  # noqa: E402
+from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
 from moe_fuse import kernels, ops, reference  # noqa: E402
 from moe_fuse.kernels import backward, grouped_mm_path  # noqa: E402
 from moe_fuse.kernels.routing import route  # noqa: E402
@@ -91,9 +93,9 @@ def test_bad_biases_are_named():
     # the all-Triton kernels have no bias: asking them for one is an error, not a silently biasless result
     args = make_case(8, 2, 4, 16, 8, torch.float32, seed=1)
     with pytest.raises(ValueError, match="run on grouped_mm_path only"):
-        kernels.experts_forward(*args, gate_up_bias=torch.zeros(4, 16).to(DEVICE))
+        dispatch.experts_forward(*args, gate_up_bias=torch.zeros(4, 16).to(DEVICE))
     with pytest.raises(ValueError, match="run on grouped_mm_path only"):
-        kernels.experts_backward(torch.randn(8, 16).to(DEVICE), *args, interleaved=True)
+        dispatch.experts_backward(torch.randn(8, 16).to(DEVICE), *args, interleaved=True)
 
 
 CASES = {
@@ -124,8 +126,8 @@ def check(got, want, tol, names):
 @pytest.mark.parametrize("name", list(CASES))
 def test_grouped_mm_path_matches_reference(name, ragged, alpha, monkeypatch):
     """On CPU torch's grouped GEMM fallback (or ragged_gemm) and the interpreter; on sm90 CUTLASS."""
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_TRITON", ragged)
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)
+    monkeypatch.setattr(config, "ragged_gemm", ragged)
+    monkeypatch.setattr(config, "ragged_min_rows", 0)
     T, k, E, H, I, dtype, mode = CASES[name]
     args = make_case(T, k, E, H, I, dtype, mode, seed=len(name))
     b_gu = biases(E, 2 * I, H, dtype)[0].to(DEVICE)
@@ -134,9 +136,9 @@ def test_grouped_mm_path_matches_reference(name, ragged, alpha, monkeypatch):
     # the float64 reference (test_swiglu_limit.py measures the clamps on both paths)
     gate = {"glu_alpha": alpha, "gate_up_bias": b_gu, "interleaved": True}
     with poisoned_buffers(monkeypatch):
-        y, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True, **gate)
-        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, **gate)
-        recomputed = grouped_mm_path.experts_backward(dy, *args, **gate)
+        y, h, routing, xs, aw = grouped_mm_forward(*args, save_h=True, keep_rows=True, **gate)
+        kept = grouped_mm_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, **gate)
+        recomputed = grouped_mm_backward(dy, *args, **gate)
     check([y], [ref64(args, gate)], TOL[dtype], ["y"])
     want = ref64(args, gate, dy)
     assert len(kept) == 5 and kept[4].shape == (E, 2 * I) and kept[4].dtype == dtype
@@ -144,9 +146,9 @@ def test_grouped_mm_path_matches_reference(name, ragged, alpha, monkeypatch):
     for a, b in zip(kept, recomputed):  # what the forward kept is what the backward recomputes
         assert torch.equal(a, b)
     # the bias and the interleaving both matter in this case
-    plain = grouped_mm_path.experts_forward(*args, glu_alpha=alpha)
+    plain = grouped_mm_forward(*args, glu_alpha=alpha)
     assert rel_err(plain.cpu(), ref64(args, gate)) > 10 * TOL[dtype]
-    concat = grouped_mm_path.experts_forward(*args, **{**gate, "interleaved": False})
+    concat = grouped_mm_forward(*args, **{**gate, "interleaved": False})
     assert rel_err(concat.cpu(), ref64(args, gate)) > 10 * TOL[dtype]
 
 
@@ -174,11 +176,11 @@ def test_dispatch_takes_grouped_mm_path_or_the_reference(monkeypatch):
     monkeypatch.setattr(grouped_mm_path, "experts_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x, ids, weights, w_gate_up, w_down = make_case(12, 2, 4, 16, 8, torch.float32, seed=6)
     b_gu = biases(4, 16, 16, torch.float32)[0].to(DEVICE)
-    assert not kernels.supports(x, ids, weights, w_gate_up, w_down, extras=True)  # the path does not apply here
+    assert not dispatch.supports(x, ids, weights, w_gate_up, w_down, extras=True)  # the path does not apply here
     want = reference.experts_forward(x, ids, weights, w_gate_up, w_down, gate_up_bias=b_gu, interleaved=True)
-    monkeypatch.setattr(grouped_mm_path, "applies", lambda *a: True)
-    assert kernels.supports(x, ids, weights, w_gate_up, w_down, extras=True)
-    got = kernels.experts_forward(x, ids, weights, w_gate_up, w_down, gate_up_bias=b_gu, interleaved=True)
+    monkeypatch.setattr(dispatch, "grouped_mm_applies", lambda *a: True)
+    assert dispatch.supports(x, ids, weights, w_gate_up, w_down, extras=True)
+    got = dispatch.experts_forward(x, ids, weights, w_gate_up, w_down, gate_up_bias=b_gu, interleaved=True)
     assert calls == [1] and rel_err(got, want.double()) < 1e-5
 
 

@@ -25,6 +25,8 @@ from test_swiglu_limit import (  # noqa: E402
 )
 
 import moe_fuse.ops  # noqa: E402,F401
+from moe_fuse import config, dispatch  # noqa: E402
+from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
 from moe_fuse import kernels, reference  # noqa: E402
 from moe_fuse.integrations.transformers import activation_of, experts_gate_args, unsupported_reason  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
@@ -78,15 +80,15 @@ def test_triton_kernels_match_reference(name, monkeypatch):
     args = make_case(T, k, E, H, I, dtype, mode, seed=len(name))
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     with poisoned_buffers(monkeypatch):
-        y = kernels.experts_forward(*args, activation="gelu_tanh")
-        _, h, routing = kernels.experts_forward(*args, save_h=True, activation="gelu_tanh")
-        saved = kernels.experts_backward(dy, *args, h, routing=routing, activation="gelu_tanh")
-        recomputed = kernels.experts_backward(dy, *args, activation="gelu_tanh")
+        y = dispatch.experts_forward(*args, activation="gelu_tanh")
+        _, h, routing = dispatch.experts_forward(*args, save_h=True, activation="gelu_tanh")
+        saved = dispatch.experts_backward(dy, *args, h, routing=routing, activation="gelu_tanh")
+        recomputed = dispatch.experts_backward(dy, *args, activation="gelu_tanh")
     check([y], [ref64(args, dtype)], TOL[dtype], ["y"])
     want = ref64(args, dtype, dy)
     check(saved, want, TOL[dtype], NAMES)
     check(recomputed, want, TOL[dtype], NAMES)
-    silu = kernels.experts_backward(dy, *args, h, routing=routing)
+    silu = dispatch.experts_backward(dy, *args, h, routing=routing)
     assert rel_err(silu[2].cpu(), want[2]) > 10 * TOL[dtype]  # the activation matters in this case
 
 
@@ -94,15 +96,15 @@ def test_triton_kernels_match_reference(name, monkeypatch):
 def test_grouped_mm_path_matches_reference(name, monkeypatch):
     """The training path on sm90 (GEMMs, the SwiGLU and dSwiGLU passes); on CPU torch's grouped GEMM
     fallback and the interpreter."""
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)
+    monkeypatch.setattr(config, "ragged_min_rows", 0)
     T, k, E, H, I, dtype, mode = KERNEL_CASES[name]
     args = make_case(T, k, E, H, I, dtype, mode, seed=len(name))
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     with poisoned_buffers(monkeypatch):
-        y, h, routing, xs, aw = grouped_mm_path.experts_forward(
+        y, h, routing, xs, aw = grouped_mm_forward(
             *args, save_h=True, keep_rows=True, activation="gelu_tanh")
-        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, activation="gelu_tanh")
-        recomputed = grouped_mm_path.experts_backward(dy, *args, activation="gelu_tanh")
+        kept = grouped_mm_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, activation="gelu_tanh")
+        recomputed = grouped_mm_backward(dy, *args, activation="gelu_tanh")
     check([y], [ref64(args, dtype)], TOL[dtype], ["y"])
     check(kept, ref64(args, dtype, dy), TOL[dtype], NAMES)
     for a, b in zip(kept, recomputed):

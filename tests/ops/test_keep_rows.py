@@ -18,6 +18,7 @@ from test_kernels_forward import DEVICE, make_case  # noqa: E402
 from test_swiglu_limit import compare  # noqa: E402
 from test_ungated import assert_same_step  # noqa: E402
 
+from moe_fuse import config, dispatch  # noqa: E402
 from moe_fuse import kernels, ops  # noqa: E402
 from moe_fuse.backend import parse_options  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
@@ -26,8 +27,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 
 def test_option_is_checked():
-    assert parse_options(None)[0].keep_rows is True
-    assert parse_options({"moe_fuse.keep_rows": False})[0].keep_rows is False
+    assert parse_options(None)[0]["keep_rows"] is True
+    assert parse_options({"moe_fuse.keep_rows": False})[0]["keep_rows"] is False
     with pytest.raises(ValueError, match="moe_fuse.keep_rows='no'; expected True or False"):
         parse_options({"moe_fuse.keep_rows": "no"})
 
@@ -71,9 +72,9 @@ def test_inference_calls_are_left_as_they_are(tmp_path):
 def on_grouped_mm_path(monkeypatch):
     """The op on its CUDA kernels path where this machine has none: grouped_mm_path's functions run on the CPU
     (torch's grouped GEMM fallback, the Triton kernels in the interpreter)."""
-    monkeypatch.setattr(grouped_mm_path, "applies", lambda *a: True)
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)
-    monkeypatch.setattr(ops, "_on_kernels", lambda *a, **k: True)
+    monkeypatch.setattr(dispatch, "grouped_mm_applies", lambda *a: True)
+    monkeypatch.setattr(config, "ragged_min_rows", 0)
+    monkeypatch.setattr(dispatch, "on_kernels", lambda *a, **k: True)
 
 
 def test_op_keeps_neither_rows_nor_activation(on_grouped_mm_path):
@@ -88,8 +89,8 @@ def test_op_keeps_neither_rows_nor_activation(on_grouped_mm_path):
     # what the op's backward then computes: the kernels with xs and aw to recompute, the same bits
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     routing = kernels.routing_from_buffer(kept[3], T * k, E)
-    with_rows = kernels.experts_backward(dy, *args, kept[1], routing=routing, xs=kept[2], aw=kept[4])
-    without = kernels.experts_backward(dy, *args, lean[1], routing=routing)
+    with_rows = dispatch.experts_backward(dy, *args, kept[1], routing=routing, xs=kept[2], aw=kept[4])
+    without = dispatch.experts_backward(dy, *args, lean[1], routing=routing)
     for a, b in zip(with_rows, without):
         assert torch.equal(a, b)
 

@@ -26,6 +26,8 @@ from test_swiglu_limit import (  # noqa: E402
 )
 
 import moe_fuse.ops  # noqa: E402,F401
+from moe_fuse import config, dispatch  # noqa: E402
+from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
 from moe_fuse import kernels, reference  # noqa: E402
 from moe_fuse.integrations.transformers import experts_gate_args, unsupported_reason  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
@@ -95,7 +97,7 @@ def test_the_fused_triton_gemms_refuse_it():
     computing silu."""
     args = make_case(8, 2, 3, 16, 8, torch.float32, seed=1)
     with pytest.raises(ValueError, match="softcapped SwiGLU run on grouped_mm_path only"):
-        kernels.experts_forward(*args, activation=SOFTCAPPED)
+        dispatch.experts_forward(*args, activation=SOFTCAPPED)
     from moe_fuse.kernels.backward import experts_backward
     from moe_fuse.kernels.forward import experts_forward
 
@@ -157,16 +159,16 @@ def test_grouped_mm_path_matches_reference(name, clamped, monkeypatch):
     """The training path on sm90 (GEMMs, the SwiGLU and dSwiGLU passes); on CPU torch's grouped GEMM
     fallback and the interpreter. h and the rows kept or recomputed: bitwise the same. Clamped: swiglu_limit's
     clamps first, then the softcaps (the passes apply them in that order, as the reference)."""
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)
+    monkeypatch.setattr(config, "ragged_min_rows", 0)
     T, k, E, H, I, dtype, mode = KERNEL_CASES[name]
     args = make_case(T, k, E, H, I, dtype, mode, seed=len(name))
     limit = clear_limit(args, dtype) if clamped else None
     gate = {"activation": SOFTCAPPED, "swiglu_limit": limit}
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     with poisoned_buffers(monkeypatch):
-        y, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True, **gate)
-        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, **gate)
-        recomputed = grouped_mm_path.experts_backward(dy, *args, **gate)
+        y, h, routing, xs, aw = grouped_mm_forward(*args, save_h=True, keep_rows=True, **gate)
+        kept = grouped_mm_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, **gate)
+        recomputed = grouped_mm_backward(dy, *args, **gate)
     check([y], [ref64(args, dtype, limit=limit)], TOL[dtype], ["y"])
     want = ref64(args, dtype, dy, limit=limit)
     check(kept, want, TOL[dtype], NAMES)
@@ -229,14 +231,14 @@ def test_with_a_gate_up_bias_and_interleaved_rows(name, monkeypatch):
     every gate): against the float64 reference, the bias gradient included."""
     from test_expert_biases import NAMES as BIAS_NAMES, biases
 
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)
+    monkeypatch.setattr(config, "ragged_min_rows", 0)
     T, k, E, H, I, dtype, mode = KERNEL_CASES[name]
     args = make_case(T, k, E, H, I, dtype, mode, seed=len(name))
     gate = {"activation": SOFTCAPPED, "gate_up_bias": biases(E, 2 * I, H, dtype)[0].to(DEVICE), "interleaved": True}
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     with poisoned_buffers(monkeypatch):
-        y, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True, **gate)
-        grads = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, **gate)
+        y, h, routing, xs, aw = grouped_mm_forward(*args, save_h=True, keep_rows=True, **gate)
+        grads = grouped_mm_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, **gate)
     cpu = [t.cpu().double() if t.is_floating_point() else t.cpu() for t in args]
     ref_gate = {**gate, "gate_up_bias": gate["gate_up_bias"].cpu().double()}
     check([y], [reference.experts_forward(*cpu, **ref_gate)], TOL[dtype], ["y"])

@@ -25,6 +25,8 @@ from test_kernels_forward import DEVICE, make_case, poisoned_buffers, rel_err  #
 from test_ops import random_case  # noqa: E402
 
 import moe_fuse.ops  # noqa: E402,F401
+from moe_fuse import config, dispatch  # noqa: E402
+from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
 from moe_fuse import kernels, reference  # noqa: E402
 from moe_fuse.integrations.transformers import gate_args, unsupported_reason  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
@@ -153,16 +155,16 @@ def test_triton_kernels_match_reference(name, alpha, monkeypatch):
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     gate = {"swiglu_limit": limit, "glu_alpha": alpha}
     with poisoned_buffers(monkeypatch):
-        y = kernels.experts_forward(*args, **gate)
-        _, h, routing = kernels.experts_forward(*args, save_h=True, **gate)
-        saved = kernels.experts_backward(dy, *args, h, routing=routing, **gate)
-        recomputed = kernels.experts_backward(dy, *args, **gate)
+        y = dispatch.experts_forward(*args, **gate)
+        _, h, routing = dispatch.experts_forward(*args, save_h=True, **gate)
+        saved = dispatch.experts_backward(dy, *args, h, routing=routing, **gate)
+        recomputed = dispatch.experts_backward(dy, *args, **gate)
     check([y], [ref64(args, limit, args[3].dtype, alpha=alpha)], TOL[dtype], ["y"])
     want = ref64(args, limit, args[3].dtype, dy, alpha=alpha)
     names = ("dx", "d_weights", "d_w_gate_up", "d_w_down")
     check(saved, want, TOL[dtype], names)
     check(recomputed, want, TOL[dtype], names)
-    unclamped = kernels.experts_backward(dy, *args, h, routing=routing)
+    unclamped = dispatch.experts_backward(dy, *args, h, routing=routing)
     assert rel_err(unclamped[2].cpu(), want[2]) > 10 * TOL[dtype]  # the limit matters in this case
 
 
@@ -171,16 +173,16 @@ def test_triton_kernels_match_reference(name, alpha, monkeypatch):
 def test_grouped_mm_path_matches_reference(name, alpha, monkeypatch):
     """The training path on sm90 (torch._grouped_mm, the SwiGLU and dSwiGLU passes); on CPU torch's
     grouped GEMM fallback and the interpreter."""
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)
+    monkeypatch.setattr(config, "ragged_min_rows", 0)
     T, k, E, H, I, dtype, mode = KERNEL_CASES[name]
     args = make_case(T, k, E, H, I, dtype, mode, seed=len(name))
     limit = clear_limit(args, dtype)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     gate = {"swiglu_limit": limit, "glu_alpha": alpha}
     with poisoned_buffers(monkeypatch):
-        y, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True, **gate)
-        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, **gate)
-        recomputed = grouped_mm_path.experts_backward(dy, *args, **gate)
+        y, h, routing, xs, aw = grouped_mm_forward(*args, save_h=True, keep_rows=True, **gate)
+        kept = grouped_mm_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, **gate)
+        recomputed = grouped_mm_backward(dy, *args, **gate)
     check([y], [ref64(args, limit, args[3].dtype, alpha=alpha)], TOL[dtype], ["y"])
     want = ref64(args, limit, args[3].dtype, dy, alpha=alpha)
     names = ("dx", "d_weights", "d_w_gate_up", "d_w_down")

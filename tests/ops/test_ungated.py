@@ -27,9 +27,11 @@ from test_swiglu_limit import (  # noqa: E402
 )
 
 import moe_fuse.ops  # noqa: E402,F401
+from moe_fuse import config, dispatch  # noqa: E402
+from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
 from moe_fuse import kernels, reference  # noqa: E402
 from moe_fuse.integrations.transformers import experts_gate_args, unsupported_reason  # noqa: E402
-from moe_fuse.kernels import grouped_mm_path  # noqa: E402
+from moe_fuse.kernels import _jit, grouped_mm_path  # noqa: E402
 
 RELU2 = (None, None, "relu2")  # the op's arguments after save_h: swiglu_limit, glu_alpha, activation
 NAMES = ("dx", "d_weights", "d_w_up", "d_w_down")
@@ -101,16 +103,16 @@ def ref64(args, dy=None):
 def test_grouped_mm_path_matches_reference(name, ragged, monkeypatch):
     """The training path on sm90 (GEMMs and the two passes of kernels/ungated.py); on CPU torch's grouped GEMM
     fallback and the interpreter. What the forward keeps equals what the backward recomputes."""
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_TRITON", ragged)
-    monkeypatch.setattr(grouped_mm_path, "RAGGED_MIN_ROWS", 0)
+    monkeypatch.setattr(config, "ragged_gemm", ragged)
+    monkeypatch.setattr(config, "ragged_min_rows", 0)
     T, k, E, H, I, dtype, mode = KERNEL_CASES[name]
     args = ungated(make_case(T, k, E, H, I, dtype, mode, seed=len(name)))
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     with poisoned_buffers(monkeypatch):
-        y, h, routing, xs, aw = grouped_mm_path.experts_forward(*args, save_h=True, keep_rows=True, activation="relu2")
-        y_only = grouped_mm_path.experts_forward(*args, activation="relu2")
-        kept = grouped_mm_path.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, activation="relu2")
-        recomputed = grouped_mm_path.experts_backward(dy, *args, activation="relu2")
+        y, h, routing, xs, aw = grouped_mm_forward(*args, save_h=True, keep_rows=True, activation="relu2")
+        y_only = grouped_mm_forward(*args, activation="relu2")
+        kept = grouped_mm_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, activation="relu2")
+        recomputed = grouped_mm_backward(dy, *args, activation="relu2")
     assert h.shape == (T * k, I) and aw.shape == (T * k, I)
     assert torch.equal(y, y_only)
     check([y], [ref64(args)], TOL[dtype], ["y"])
@@ -135,22 +137,22 @@ def test_dispatch_takes_the_grouped_mm_path_or_the_reference(monkeypatch):
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     args = ungated(make_case(12, 2, 4, 16, 8, dtype, seed=5))
     dy = torch.randn(12, 16, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
-    if not grouped_mm_path.applies(args[0], args[3], args[4]):  # always so on the CPU
+    if not dispatch.grouped_mm_applies(args[0], args[3], args[4]):  # always so on the CPU
         with pytest.raises(ValueError, match="experts without a gate and .* run on grouped_mm_path only"):
-            kernels.experts_forward(*args, activation="relu2")
+            dispatch.experts_forward(*args, activation="relu2")
         with pytest.raises(ValueError, match="experts without a gate and .* run on grouped_mm_path only"):
-            kernels.experts_backward(dy, *args, activation="relu2")
-        assert not kernels.supports(*args, gated=False)  # what the op asks: the reference computes them
+            dispatch.experts_backward(dy, *args, activation="relu2")
+        assert not dispatch.supports(*args, gated=False)  # what the op asks: the reference computes them
     calls = []
     for name in ("experts_forward", "experts_backward"):
         real = getattr(grouped_mm_path, name)
         monkeypatch.setattr(grouped_mm_path, name,
                             lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-    monkeypatch.setattr(grouped_mm_path, "applies", lambda *a: True)
-    assert kernels.supports(*args, gated=False)  # [E, I, H] up weights are no layout error
-    y = kernels.experts_forward(*args, activation="relu2")  # inference too: the fused Triton forward has no relu2
-    _, h, routing, xs, aw = kernels.experts_forward(*args, save_h=True, keep_rows=True, activation="relu2")
-    grads = kernels.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, activation="relu2")
+    monkeypatch.setattr(dispatch, "grouped_mm_applies", lambda *a: True)
+    assert dispatch.supports(*args, gated=False)  # [E, I, H] up weights are no layout error
+    y = dispatch.experts_forward(*args, activation="relu2")  # inference too: the fused Triton forward has no relu2
+    _, h, routing, xs, aw = dispatch.experts_forward(*args, save_h=True, keep_rows=True, activation="relu2")
+    grads = dispatch.experts_backward(dy, *args, h, routing=routing, xs=xs, aw=aw, activation="relu2")
     assert calls == ["experts_forward", "experts_forward", "experts_backward"]
     assert rel_err(y.cpu(), ref64(args)) < TOL[dtype]
     for g, w in zip(grads, ref64(args, dy)):
@@ -209,8 +211,8 @@ def test_left_alone_on_a_gpu_where_the_op_would_run_its_reference(monkeypatch):
     import torch.fx as fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from moe_fuse.passes.graph import NoMatch
-    from moe_fuse.passes.grouped_mm import _check_kernel_path
+    from moe_fuse.pipeline.graph import NoMatch
+    from moe_fuse.patterns.experts_grouped_mm import _check_kernel_path
 
     def nodes(dtype):  # x, W_up, W_down
         graph = fx.Graph()
@@ -224,13 +226,13 @@ def test_left_alone_on_a_gpu_where_the_op_would_run_its_reference(monkeypatch):
             out.append(node)
         return out
 
-    monkeypatch.setattr(grouped_mm_path, "interpreting", lambda: False)
-    monkeypatch.setattr(grouped_mm_path, "_CAPABILITY", {0: 9})
+    monkeypatch.setattr(_jit, "interpreting", lambda: False)
+    monkeypatch.setattr(dispatch, "_CAPABILITY", {0: 9})
     _check_kernel_path(*nodes(torch.bfloat16), False, "relu2", None)  # sm90, bf16: the kernels take it
     with pytest.raises(NoMatch, match=r"experts without a gate run fused on CUDA sm90\+ in bf16 only \(the "
                                       r"grouped_mm path\); here the op would run its reference loop"):
         _check_kernel_path(*nodes(torch.float32), False, "relu2", None)
-    monkeypatch.setattr(grouped_mm_path, "_CAPABILITY", {0: 8})  # an A100
+    monkeypatch.setattr(dispatch, "_CAPABILITY", {0: 8})  # an A100
     with pytest.raises(NoMatch, match="experts without a gate run fused on CUDA sm90"):
         _check_kernel_path(*nodes(torch.bfloat16), False, "relu2", None)
 

@@ -3,24 +3,29 @@
 import pytest
 import torch
 
-from moe_fuse.backend import Options, parse_options
+from moe_fuse import config
+from moe_fuse.backend import parse_options
 
 
 def test_defaults(monkeypatch):
     monkeypatch.delenv("MOE_FUSE_DEBUG_DIR", raising=False)
-    assert parse_options(None) == (Options(inner="inductor", debug_dir=None, verify=True), {})
+    settings, rest = parse_options(None)
+    assert rest == {}
+    assert settings == {name: s.default for name, s in config.SETTINGS.items()}
+    assert settings["inner"] == "inductor" and settings["verify"] is True and settings["debug_dir"] is None
 
 
 def test_own_keys_are_taken_out_and_the_rest_passed_on():
-    opts, rest = parse_options({"moe_fuse.inner": "inductor", "moe_fuse.verify": False, "max_autotune": True})
-    assert opts == Options(inner="inductor", debug_dir=None, verify=False)
+    settings, rest = parse_options({"moe_fuse.inner": "inductor", "moe_fuse.verify": False, "max_autotune": True})
+    assert settings["inner"] == "inductor" and settings["verify"] is False
     assert rest == {"max_autotune": True}
+    assert config.verify is True  # parsing changes nothing; the backend patches config for the compile
 
 
 def test_debug_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("MOE_FUSE_DEBUG_DIR", str(tmp_path))
-    assert parse_options({})[0].debug_dir == str(tmp_path)
-    assert parse_options({"moe_fuse.debug_dir": "elsewhere"})[0].debug_dir == "elsewhere"
+    assert parse_options({})[0]["debug_dir"] == str(tmp_path)
+    assert parse_options({"moe_fuse.debug_dir": "elsewhere"})[0]["debug_dir"] == "elsewhere"
 
 
 def test_unknown_key_lists_the_valid_ones():
@@ -80,8 +85,8 @@ def test_inner_compile_tags_the_compile_caches(monkeypatch, user_tag):
     monkeypatch.setattr(compile_fx_module, "compile_fx", fake_compile_fx)
     gm = torch.fx.symbolic_trace(torch.nn.ReLU())
     with torch.compiler.config.patch(cache_key_tag=user_tag):
-        backend.inner_compile(gm, [torch.randn(2)], Options(), None, {})
+        backend.inner_compile(gm, [torch.randn(2)], None, {})
         assert torch.compiler.config.cache_key_tag == user_tag
     tag = backend.cache_tag()
-    assert tag.startswith("moe_fuse-") and len(tag) == len("moe_fuse-") + 16
+    assert tag.startswith("moe_fuse-") and len(tag) == len("moe_fuse-") + 16 + 1 + 12  # sources, settings
     assert seen == [f"{user_tag}+{tag}" if user_tag else tag]
