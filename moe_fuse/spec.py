@@ -38,6 +38,8 @@ class ExpertsSpec:
     intermediate: int
     dtype: torch.dtype  # of the hidden states
     weights_dtype: torch.dtype  # of the routing weights
+    # "silu" (SwiGLU); "gelu_tanh": GeGLU, gelu(gate, approximate="tanh") * up (Gemma 4); "relu2": no gate,
+    # relu(up)^2 (Nemotron-H); ``reference.softcapped(Cg, Cu)``: the softcapped SwiGLU (Inkling 2)
     activation: str = "silu"
     layout: str = "gate_up_concat"
     expert_parallel_sentinels: bool = False  # transformers' EP masking ops were present
@@ -45,9 +47,6 @@ class ExpertsSpec:
     swiglu_limit: float | None = None
     # the GPT-OSS-style gate (MiniMax-M3-VL): gate * sigmoid(glu_alpha * gate) * (up + 1) instead of silu(gate) * up
     glu_alpha: float | None = None
-    # "gelu_tanh": GeGLU, gelu(gate, approximate="tanh") * up (Gemma 4), instead of silu(gate) * up
-    # "relu2": no gate, relu(up)^2 (Nemotron-H)
-    activation: str = "silu"
     # GPT-OSS: a bias per expert on the gate_up and on the down projection
     gate_up_bias: bool = False
     down_bias: bool = False
