@@ -104,14 +104,15 @@ def build(family, dev, dtype, tiny=False):
 @contextlib.contextmanager
 def experts_only():
     """moe_fuse with its router patterns switched off (while the block compiles)."""
-    from moe_fuse import passes
-    saved = passes.PATTERN_MODULES
-    routers = {passes.router, passes.sigmoid_router, passes.topk_softmax_router, passes.router_detect}
-    passes.PATTERN_MODULES = tuple(m for m in saved if m not in routers)
+    from moe_fuse import patterns
+    saved = patterns.PATTERNS
+    routers = {patterns.router_softmax.PATTERN, patterns.router_sigmoid.PATTERN, patterns.router_topk_softmax.PATTERN,
+               patterns.router_unmatched.PATTERN}
+    patterns.PATTERNS = tuple(p for p in saved if p not in routers)
     try:
         yield
     finally:
-        passes.PATTERN_MODULES = saved
+        patterns.PATTERNS = saved
 
 
 def first(out):

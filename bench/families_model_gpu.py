@@ -58,10 +58,10 @@ TINY = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64, inte
             qk_rope_head_dim=8, v_head_dim=8)
 VOCAB = 32000
 # moe_fuse_no_mask: the attention-mask rewrite off; moe_fuse_lean: moe_fuse.keep_rows=False (less kept per layer);
-# moe_fuse_repeat_kv: the mask rewritten but transformers' repeated key / value heads kept (causal_mask.GROUPED_HEADS)
+# moe_fuse_repeat_kv: the mask rewritten but transformers' repeated key / value heads kept (config.causal_sdpa_grouped_heads)
 BACKENDS = ["eager", "inductor", "moe_fuse", "moe_fuse_no_mask", "moe_fuse_lean", "moe_fuse_repeat_kv"]
 OPTIONS = {"moe_fuse_no_mask": {"moe_fuse.causal_sdpa": False}, "moe_fuse_lean": {"moe_fuse.keep_rows": False}}
-SWITCHES = {"moe_fuse_repeat_kv": ("moe_fuse.passes.causal_mask", "GROUPED_HEADS", False)}  # set while it runs
+SWITCHES = {"moe_fuse_repeat_kv": ("moe_fuse.config", "causal_sdpa_grouped_heads", False)}  # set while it runs
 
 
 def build(family, layers, dev, dtype, tiny=False):

@@ -29,7 +29,7 @@ gradients still need the usual data-parallel all-reduce over the group.
 local experts split into N groups, whose dispatch / combine all-to-alls overlap with the expert
 GEMMs of the neighbouring groups, forward and backward; same results, same single host sync.
 
-In compiled graphs, ``moe_fuse/passes/ep_torchtitan.py`` replaces TorchTitan's dispatch chain (functional
+In compiled graphs, ``moe_fuse/patterns/ep_torchtitan.py`` replaces TorchTitan's dispatch chain (functional
 all-to-alls + ``wait_tensor``) by ``torch.ops.moe_fuse.ep_experts`` (``ep_ops.py``) when the backend
 gets ``options={"moe_fuse.ep_chunks": N}``.
 

@@ -2,7 +2,7 @@
 
 - ``torch.ops.moe_fuse.ep_experts`` (moe_fuse/parallel/ep_ops.py), eager and under torch.compile, against
   the eager chunked path, uneven and empty splits included.
-- The TorchTitan dispatch pass (moe_fuse/passes/ep_torchtitan.py) on TorchTitan 0.3.0's own MoE with its
+- The TorchTitan dispatch pass (moe_fuse/patterns/ep_torchtitan.py) on TorchTitan 0.3.0's own MoE with its
   AllToAllTokenDispatcher over a 2-rank mesh, captured in one graph (``capture_scalar_outputs``, as
   TorchTitan's compile sets it): the dispatch block becomes one op (no all-to-all, no ``.item()`` left),
   the output matches eager EP, gradients within bf16 rounding (aot_eager and Inductor after the pass);
@@ -164,7 +164,7 @@ def _rewriting_backend(chunks, seen, inner):
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._inductor.compile_fx import compile_fx
 
-    from moe_fuse.passes import ep_torchtitan
+    from moe_fuse.patterns import ep_torchtitan
 
     def backend(gm, example_inputs):
         count, rejections = ep_torchtitan.rewrite(gm, chunks=chunks)
@@ -217,13 +217,13 @@ def _capture(rank: int, world: int):
 
 
 def _a2as(gm):
-    from moe_fuse.passes.ep_torchtitan import _c10d
+    from moe_fuse.patterns.ep_torchtitan import _c10d
 
     return [n for n in gm.graph.nodes if _c10d(n, "all_to_all_single")]
 
 
 def _check_near_misses(rank: int, world: int):
-    from moe_fuse.passes import ep_torchtitan
+    from moe_fuse.patterns import ep_torchtitan
 
     def rejected(gm, reason):
         before = str(gm.graph)
@@ -327,7 +327,7 @@ def test_other_all_to_alls_are_reported_not_skipped():
     """With moe_fuse.ep_chunks set, a graph whose all-to-all is not TorchTitan's dispatch gets a line in the
     report (transformers' AllToAllEP, broken into graphs at its .tolist(), is one), not silence. No
     process group is needed: nothing runs, the graph is only read."""
-    from moe_fuse.passes import ep_torchtitan
+    from moe_fuse.patterns import ep_torchtitan
 
     graph = torch.fx.Graph()
     rows = graph.placeholder("rows")

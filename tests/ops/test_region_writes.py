@@ -1,4 +1,4 @@
-"""In-place writes and the block's region (passes/graph.collect_region).
+"""In-place writes and the block's region (pipeline/graph.collect_region).
 
 A write placed before the block's outputs is part of what the block computes (``inv[perm] = arange``);
 one placed after them is not. transformers' all-reduce expert parallelism at inference writes the
@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from support.models import loss_and_grads, qwen3_moe, rel_err, token_batch
-from moe_fuse.passes.graph import NoMatch, collect_region
+from moe_fuse.pipeline.graph import NoMatch, collect_region
 
 
 def _nodes(gm: fx.GraphModule) -> dict:

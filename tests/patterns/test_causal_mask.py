@@ -181,3 +181,18 @@ def test_repeats_stay_where_sdpa_would_fall_back_to_math(tmp_path, monkeypatch):
     torch.testing.assert_close(got, _GroupedAttention()(q, k, v))
     (call,) = sdpa_calls(tmp_path)
     assert "is_causal = True" in call and "enable_gqa" not in call and not call.startswith("l_q_, l_k_")
+
+
+def test_grouped_heads_off_keeps_the_repeats(tmp_path):
+    """moe_fuse.causal_sdpa_grouped_heads=False (config.causal_sdpa_grouped_heads): the mask is rewritten, the
+    repeated key / value heads stay."""
+    q = torch.randn(2, 6, 7, 4, requires_grad=True)
+    k, v = (torch.randn(2, 2, 7, 4, requires_grad=True) for _ in range(2))
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path),
+               "moe_fuse.causal_sdpa_grouped_heads": False}
+    got = torch.compile(_GroupedAttention(), backend="moe_fuse", options=options)(q, k, v)
+    torch.testing.assert_close(got, _GroupedAttention()(q, k, v))
+    (call,) = sdpa_calls(tmp_path)
+    assert "attn_mask = None" in call and "is_causal = True" in call and "enable_gqa" not in call, call
+    (rewrite,) = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_sdpa_mask"]
+    assert "gqa_group" not in rewrite

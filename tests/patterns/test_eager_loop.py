@@ -64,7 +64,7 @@ def test_own_loop_family_has_nothing_to_switch(tmp_path):
 
 
 def test_advice_follows_the_module_that_loops():
-    from moe_fuse.passes.eager_loop import uses_experts_interface
+    from moe_fuse.patterns.eager_loop import uses_experts_interface
     from transformers.models.dbrx.modeling_dbrx import DbrxExperts
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 

@@ -32,11 +32,11 @@ import torch.fx as fx
 
 from .. import router_ops  # noqa: F401  (registers torch.ops.moe_fuse.router_sigmoid)
 from ..spec import SigmoidRouterSpec
-from .candidate import Candidate, Rejection
-from .graph import NoMatch, arg, collect_region, concrete, dtype_of, getitem_user, is_mutation, shape_of
+from ..pipeline.candidate import Candidate, Pattern, Rejection
+from ..pipeline.graph import NoMatch, arg, collect_region, concrete, dtype_of, getitem_user, is_mutation, shape_of
 from .router_common import find_at_topk, is_, is_fp32_upcast, last_dim, name, number, router_logits, strip_fp32_upcast
 
-PATTERN = "sigmoid_topk_router"
+NAME = "sigmoid_topk_router"
 
 
 def _topk_args(topk: fx.Node, what: str):
@@ -212,7 +212,7 @@ def match(topk: fx.Node) -> Candidate:
     if stray:
         raise NoMatch(f"{stray[0].name} writes into a router tensor", stray[0])
     return Candidate(
-        pattern=PATTERN,
+        pattern=NAME,
         spec=spec,
         region=region,
         op=torch.ops.moe_fuse.router_sigmoid.default,
@@ -234,7 +234,10 @@ def claims(topk: fx.Node) -> bool:
 
 
 def find(graph: fx.Graph) -> list[Candidate | Rejection]:
-    return find_at_topk(graph, PATTERN, claims, match)
+    return find_at_topk(graph, NAME, claims, match)
 
 
-__all__ = ["PATTERN", "claims", "find", "match", "is_fp32_upcast"]
+
+PATTERN = Pattern(NAME, find)
+
+__all__ = ["NAME", "PATTERN", "claims", "find", "match", "is_fp32_upcast"]

@@ -32,16 +32,16 @@ verifier then proves the match on random probes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
-
-import functools
 
 from .. import ops
 from ..reference import gated, softcapped, softcaps
 from ..spec import ExpertsSpec
-from .candidate import Candidate, Rejection
-from .graph import (
+from ..pipeline.candidate import Candidate, Pattern, Rejection
+from ..pipeline.graph import (
     NoMatch,
     arg,
     collect_region,
@@ -56,7 +56,7 @@ from .graph import (
     user_of,
 )
 
-PATTERN = "grouped_mm_experts"
+NAME = "grouped_mm_experts"
 
 
 def _skip_casts(node):
@@ -295,7 +295,7 @@ def match(up_mm: fx.Node) -> Candidate:
     if gate_up_bias is not None or down_bias is not None or interleaved:
         return biased_experts_candidate(spec, (x, ids, weights, w_gate_up, w_down), gate_up_bias, down_bias, out,
                                         up_mm, notes, stored_transposed, interleaved)
-    return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm, notes,
+    return experts_candidate(NAME, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm, notes,
                              stored_transposed=stored_transposed)
 
 
@@ -315,16 +315,16 @@ def _check_kernel_path(x, w_gate_up, w_down, stored_transposed: bool, activation
     the kernels' grouped_mm path (CUDA sm90+, bf16); elsewhere on a GPU the op would run its reference, a Python loop
     over the experts slower than the graph it replaces: no match there. (On the CPU the reference is what every op
     runs.)
-    Asks ``grouped_mm_path.applies``, which reads only dtypes, devices and the weights' static layout (no guard on
-    a symbolic token count)."""
+    Asks ``dispatch.grouped_mm_applies``, which reads only dtypes, devices and the weights' static layout (no guard
+    on a symbolic token count)."""
     x_v, gu_v, d_v = (meta_value(n) for n in (x, w_gate_up, w_down))
     if not getattr(x_v, "is_cuda", False):
         return
-    from ..kernels import grouped_mm_path
+    from ..dispatch import grouped_mm_applies
 
     if stored_transposed:
         gu_v, d_v = gu_v.transpose(-2, -1), d_v.transpose(-2, -1)
-    if not grouped_mm_path.applies(x_v, gu_v, d_v):
+    if not grouped_mm_applies(x_v, gu_v, d_v):
         what = "experts without a gate" if not gated(activation) else "the softcapped SwiGLU" \
             if softcaps(activation) is not None else "expert biases or interleaved gate/up rows"
         raise NoMatch(f"{what} run fused on CUDA sm90+ in bf16 only (the grouped_mm path); here the op would run its "
@@ -492,7 +492,7 @@ def biased_experts_candidate(spec: ExpertsSpec, inputs, gate_up_bias, down_bias,
     save_h = torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False)
                                              for n in (*inputs, *biases))
     return Candidate(
-        pattern=PATTERN,
+        pattern=NAME,
         spec=spec,
         region=collect_region([*inputs, *biases], [out]),
         op=functools.partial(experts_with_biases, stored_transposed=stored_transposed, interleaved=interleaved,
@@ -502,6 +502,7 @@ def biased_experts_candidate(spec: ExpertsSpec, inputs, gate_up_bias, down_bias,
         input_kinds=["hidden", "expert_ids", "routing_weights", "param", "param"] + ["param"] * len(biases),
         anchor=anchor,
         notes=list(notes),
+        save_h_at=7,
     )
 
 
@@ -528,6 +529,7 @@ def experts_candidate(pattern: str, spec: ExpertsSpec, inputs, out: fx.Node, anc
         input_kinds=["hidden", "expert_ids", "routing_weights", "param", "param"],
         anchor=anchor,
         notes=list(notes),
+        save_h_at=5,
     )
 
 
@@ -544,5 +546,8 @@ def find(graph: fx.Graph) -> list[Candidate | Rejection]:
             seen_down.update(n for n in cand.region.nodes if is_op(n, "grouped_mm"))
             found.append(cand)
         except NoMatch as e:
-            found.append(Rejection(PATTERN, e.reason, e.node or node))
+            found.append(Rejection(NAME, e.reason, e.node or node))
     return found
+
+
+PATTERN = Pattern(NAME, find)

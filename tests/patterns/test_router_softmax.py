@@ -1,4 +1,5 @@
-"""Router spellings beyond Qwen3's: Mixtral's softmax(logits.float()) with fp32 routing weights."""
+"""The softmax -> top-k router pattern in a spelling beyond Qwen3's: Mixtral's softmax(logits.float()) with fp32
+routing weights."""
 
 import json
 

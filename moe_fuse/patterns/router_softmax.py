@@ -17,10 +17,10 @@ import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
 from ..spec import RouterSpec
-from .candidate import Candidate, Rejection
-from .graph import NoMatch, arg, collect_region, dtype_of, expect, expect_literal, getitem_user, is_op, shape_of
+from ..pipeline.candidate import Candidate, Pattern, Rejection
+from ..pipeline.graph import NoMatch, arg, collect_region, dtype_of, expect, expect_literal, getitem_user, is_op, shape_of
 
-PATTERN = "softmax_topk_router"
+NAME = "softmax_topk_router"
 
 
 def _last_dim(dim, ndim: int, node: fx.Node):
@@ -92,7 +92,7 @@ def match(topk: fx.Node) -> Candidate:
     )
     region = collect_region([x, w_router], [logits, weights, ids])
     return Candidate(
-        pattern=PATTERN,
+        pattern=NAME,
         spec=spec,
         region=region,
         op=torch.ops.moe_fuse.router.default,
@@ -115,5 +115,8 @@ def find(graph: fx.Graph) -> list[Candidate | Rejection]:
                 # else (e.g. the load-balancing loss) is not worth a report line.
                 probs = arg(node, 0, "input")
                 if is_op(probs, "softmax") and is_op(_skip_upcast(arg(probs, 0, "input")), "linear"):
-                    found.append(Rejection(PATTERN, e.reason, e.node or node))
+                    found.append(Rejection(NAME, e.reason, e.node or node))
     return found
+
+
+PATTERN = Pattern(NAME, find)

@@ -1,5 +1,5 @@
-"""FX helpers shared by the router patterns beyond softmax -> top-k (sigmoid_router, topk_softmax_router,
-router_detect): more op spellings, fp32 upcasts, and where a router's logits come from.
+"""FX helpers shared by the router patterns beyond softmax -> top-k (router_sigmoid, router_topk_softmax,
+router_unmatched): more op spellings, fp32 upcasts, and where a router's logits come from.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .candidate import Rejection
-from .graph import NoMatch, arg, dtype_of, expect, op_name, same_size, shape_of
+from ..pipeline.candidate import Rejection
+from ..pipeline.graph import NoMatch, arg, dtype_of, expect, op_name, same_size, shape_of
 
 # Spellings graph.op_name does not know (it is shared; these only matter to the routers).
 _EXTRA_NAMES = {

@@ -10,7 +10,7 @@
     [w = w.masked_fill(mask, 0.0)]
     y = (ys * w.unsqueeze(-1)).view(T, k, H).sum(dim=1).to(x.dtype)
 
-Anchored on the first bmm. As in ``grouped_mm``, the walk reads every literal
+Anchored on the first bmm. As in ``experts_grouped_mm``, the walk reads every literal
 (k, E, the chunk, the view, the clamp bounds) from the graph and checks it
 against the tensor shapes; what it does not check (the sentinel mask itself)
 the verifier proves on random probes.
@@ -29,9 +29,9 @@ import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
 from ..spec import ExpertsSpec
-from .candidate import Candidate, Rejection
-from .grouped_mm import experts_candidate, match_combine
-from .graph import (
+from ..pipeline.candidate import Candidate, Pattern, Rejection
+from .experts_grouped_mm import experts_candidate, match_combine
+from ..pipeline.graph import (
     NoMatch,
     arg,
     dtype_of,
@@ -44,7 +44,7 @@ from .graph import (
     user_of,
 )
 
-PATTERN = "batched_mm_experts"
+NAME = "batched_mm_experts"
 
 
 def _last_dim(dim, ndim: int, what: str, node: fx.Node):
@@ -165,7 +165,7 @@ def match(up_bmm: fx.Node) -> Candidate:
     notes = []
     if clamped and mask is None:
         notes.append(f"expert ids clamped to [0, {E - 1}] without a sentinel mask: proved on in-range ids")
-    return experts_candidate(PATTERN, spec, (x, ids, weights, w_gate_up, w_down), out, up_bmm, notes)
+    return experts_candidate(NAME, spec, (x, ids, weights, w_gate_up, w_down), out, up_bmm, notes)
 
 
 def _weight_gather(bmm: fx.Node) -> fx.Node | None:
@@ -194,9 +194,12 @@ def find(graph: fx.Graph) -> list[Candidate | Rejection]:
             seen.update(n for n in cand.region.nodes if is_op(n, "bmm"))
             found.append(cand)
         except NoMatch as e:
-            found.append(Rejection(PATTERN, e.reason, e.node or node))
+            found.append(Rejection(NAME, e.reason, e.node or node))
             # One report per block: the block's other bmm gathers with the same ids.
             index = gather.args[1]
             if isinstance(index, fx.Node):
                 seen.update(u2 for u in index.users if is_op(u, "getitem") for u2 in u.users if is_op(u2, "bmm"))
     return found
+
+
+PATTERN = Pattern(NAME, find)

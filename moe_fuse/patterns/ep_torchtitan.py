@@ -30,27 +30,29 @@ rank-major -> expert-major permutation and the expert offsets. Nothing computed 
 exchange and the combine may be read outside the block (else: rejected, with the reason).
 
 Opt-in: ``torch.compile(..., backend="moe_fuse", options={"moe_fuse.ep_chunks": N})`` runs ``rewrite`` on
-every graph before the other patterns (``passes/__init__.py``); the verifier of the default passes cannot
-run probes through collectives, so this match is proved by the checks above instead.
+every graph before the other patterns (``REWRITE``, first in ``moe_fuse.patterns``); the pipeline's verifier
+cannot run probes through collectives, so this match is proved by the checks above instead.
 Not handled: the graph-broken form (``capture_scalar_outputs`` off: the splits become constants of a later
 graph), TorchAO's padded permute, DeepEP.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..parallel import ep_ops  # noqa: F401  (registers torch.ops.moe_fuse.ep_experts)
-from .graph import NoMatch, arg, dtype_of, expect, is_mutation, is_op, meta_value, op_name, shape_of
-from .torchtitan import _expert_weight, _is_scatter_add, _mm_operands
+from .. import config
+from ..pipeline.candidate import GraphRewrite
+from ..pipeline.graph import NoMatch, arg, dtype_of, expect, is_mutation, is_op, meta_value, op_name, shape_of
+from ..pipeline.rewrite import insert_call
+from .experts_torchtitan import _expert_weight, _is_scatter_add, _mm_operands
 
 
-PATTERN = "torchtitan_ep_dispatch"
+NAME = "torchtitan_ep_dispatch"
 _VIEWS = ("view", "reshape")
 
 
@@ -234,6 +236,8 @@ def _check_permutation(pidx, offs, counts_recv, recv_items, world, local, device
 
 def match(dispatch: fx.Node) -> EPMatch:
     """Match TorchTitan's dispatch -> experts -> combine around the all_to_all_single ``dispatch``."""
+    from torch.distributed.distributed_c10d import _resolve_process_group  # torch.distributed: only when asked for
+
     rows, recv_items, send_items, group = _a2a_args(dispatch)
     if not isinstance(group, str):
         raise NoMatch(f"all_to_all_single over {group!r}, expected a process group name", dispatch)
@@ -478,28 +482,30 @@ def _any_all_to_all(node) -> bool:
     return isinstance(qualified, str) and qualified.endswith("::all_to_all_single")
 
 
+def ep_experts_call(x, ids, scores, w1, w3, w2, *, compute_dtype: torch.dtype, group_name: str, chunks: int):
+    """What a matched block becomes (traced into the graph): ``moe_fuse.ep_experts`` on the weights in the GEMMs'
+    dtype, gate and up concatenated, and the scores in fp32 (the source scales in fp32)."""
+    w1, w3, w2 = w1.to(compute_dtype), w3.to(compute_dtype), w2.to(compute_dtype)
+    gate_up = torch.cat([w1, w3], dim=1)
+    scores = scores.to(torch.float32)
+    return torch.ops.moe_fuse.ep_experts.default(x, ids, scores, gate_up, w2, group_name, chunks)[0]
+
+
 def rewrite(gm: fx.GraphModule, chunks: int = 2) -> tuple[int, list[EPRejection]]:
     """Replace every matched dispatch block of ``gm`` by ``moe_fuse.ep_experts``; returns (count, rejections).
 
     ``chunks`` is capped at the local expert count.
     """
+    from ..parallel import ep_ops  # noqa: F401  (registers torch.ops.moe_fuse.ep_experts)
+
     matches, rejections = find(gm)
     graph = gm.graph
     for m in matches:
         local = shape_of(m.w1)[0]
-        n = max(1, min(chunks, local))
+        call = functools.partial(ep_experts_call, compute_dtype=m.compute_dtype, group_name=m.group_name,
+                                 chunks=max(1, min(chunks, local)))
         with graph.inserting_before(m.output):
-            c = m.compute_dtype
-            w1 = graph.call_method("to", (m.w1, c))
-            w3 = graph.call_method("to", (m.w3, c))
-            w2 = graph.call_method("to", (m.w2, c))
-            gate_up = graph.call_function(torch.cat, ([w1, w3],), {"dim": 1})
-            scores = graph.call_method("to", (m.scores, torch.float32))  # the source scales in fp32
-            op = graph.call_function(
-                torch.ops.moe_fuse.ep_experts.default, (m.x, m.ids, scores, gate_up, w2, m.group_name, n)
-            )
-            y = graph.call_function(operator.getitem, (op, 0))
-        _set_meta([w1, w3, w2, gate_up, scores, op, y])
+            y = insert_call(graph, call, (m.x, m.ids, m.scores, m.w1, m.w3, m.w2))
         upstream = _inputs_of(m.remove)
         m.output.replace_all_uses_with(y)
         for node in reversed(m.remove):
@@ -510,27 +516,21 @@ def rewrite(gm: fx.GraphModule, chunks: int = 2) -> tuple[int, list[EPRejection]
     return len(matches), rejections
 
 
-def _set_meta(nodes):
-    """Fake values for the new nodes (later passes and Inductor read ``example_value``)."""
-    for node in nodes:
-        args = fx.node.map_arg(node.args, meta_value)
-        kwargs = fx.node.map_arg(node.kwargs, meta_value)
-        with _fake_mode(node):
-            if node.op == "call_method":
-                value = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                value = node.target(*args, **kwargs)
-        node.meta["example_value"] = value
+def run(module: fx.GraphModule, report, where: str, values) -> bool:
+    """``rewrite`` of one graph or HOP body with ``config.ep_chunks`` chunks, before the patterns see the grouped
+    GEMMs inside the block; each rewrite and rejection reported. Off while ``config.ep_chunks`` is None."""
+    if config.ep_chunks is None:
+        return False
+    count, rejections = rewrite(module, config.ep_chunks)
+    for r in rejections:
+        report.reject(NAME, r.reason, where, r.node)
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.moe_fuse.ep_experts.default:
+            report.rewrite(NAME, where, node, {"chunks": node.args[-1], "group": node.args[-2]})
+    return count > 0
 
 
-def _fake_mode(node):
-    for inp in node.all_input_nodes:
-        value = meta_value(inp)
-        if isinstance(value, (tuple, list)):
-            value = value[0]
-        if hasattr(value, "fake_mode"):
-            return value.fake_mode
-    raise NoMatch(f"no fake tensor among the inputs of {node.name}", node)
+REWRITE = GraphRewrite(NAME, run)
 
 
 def _inputs_of(nodes) -> list[fx.Node]:

@@ -18,12 +18,12 @@ import torch.fx as fx
 
 from .. import router_ops  # noqa: F401  (registers torch.ops.moe_fuse.router_topk_softmax)
 from ..spec import TopkSoftmaxRouterSpec
-from . import dense_experts
-from .candidate import Candidate, Rejection
-from .graph import NoMatch, arg, collect_region, concrete, dtype_of, getitem_user, is_mutation, shape_of
+from . import experts_dense
+from ..pipeline.candidate import Candidate, Pattern, Rejection
+from ..pipeline.graph import NoMatch, arg, collect_region, concrete, dtype_of, getitem_user, is_mutation, shape_of
 from .router_common import find_at_topk, is_, last_dim, name, number, router_logits, strip_fp32_upcast
 
-PATTERN = "topk_softmax_router"
+NAME = "topk_softmax_router"
 
 
 def match(topk: fx.Node) -> Candidate:
@@ -79,7 +79,7 @@ def match(topk: fx.Node) -> Candidate:
     if stray:
         raise NoMatch(f"{stray[0].name} writes into a router tensor", stray[0])
     return Candidate(
-        pattern=PATTERN,
+        pattern=NAME,
         spec=spec,
         region=region,
         op=torch.ops.moe_fuse.router_topk_softmax.default,
@@ -94,8 +94,11 @@ def match(topk: fx.Node) -> Candidate:
 def claims(topk: fx.Node) -> bool:
     """A top-k of a linear's logits themselves (fp32 upcasts aside): this pattern's, matched or reported here;
     not one whose values are scattered into a score matrix (dense_experts takes that router with its experts)."""
-    return bool(topk.args) and is_(strip_fp32_upcast(topk.args[0]), "linear") and not dense_experts.claims_topk(topk)
+    return bool(topk.args) and is_(strip_fp32_upcast(topk.args[0]), "linear") and not experts_dense.claims_topk(topk)
 
 
 def find(graph: fx.Graph) -> list[Candidate | Rejection]:
-    return find_at_topk(graph, PATTERN, claims, match)
+    return find_at_topk(graph, NAME, claims, match)
+
+
+PATTERN = Pattern(NAME, find)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import dense_experts, router, sigmoid_router, topk_softmax_router
-from .candidate import Rejection
-from .graph import NoMatch, arg, same_size, shape_of
+from . import experts_dense, router_sigmoid, router_softmax, router_topk_softmax
+from ..pipeline.candidate import Pattern, Rejection
+from ..pipeline.graph import NoMatch, arg, same_size, shape_of
 from .router_common import is_, is_fp32_upcast, name
 
-PATTERN = "unmatched_router"
+NAME = "unmatched_router"
 
 # Elementwise ops a router's scores pass through between its linear and its top-k.
 _WALKABLE = {
@@ -29,9 +29,9 @@ _WALKABLE = {
 
 # What each router pattern expects between the linear and the top-k (fp32 upcasts aside).
 _OUTLINES = {
-    router.PATTERN: (["softmax"], "top-k right after softmax"),
-    sigmoid_router.PATTERN: (["sigmoid", "add", "masked_fill"], "sigmoid scores + a selection bias, then top-k"),
-    topk_softmax_router.PATTERN: ([], "top-k of the logits themselves"),
+    router_softmax.NAME: (["softmax"], "top-k right after softmax"),
+    router_sigmoid.NAME: (["sigmoid", "add", "masked_fill"], "sigmoid scores + a selection bias, then top-k"),
+    router_topk_softmax.NAME: ([], "top-k of the logits themselves"),
 }
 
 
@@ -94,10 +94,10 @@ def router_chain(topk: fx.Node):
 
 def _claimed(topk: fx.Node) -> bool:
     probs = topk.args[0]
-    logits = router._skip_upcast(probs.args[0]) if is_(probs, "softmax") and probs.args else None
+    logits = router_softmax._skip_upcast(probs.args[0]) if is_(probs, "softmax") and probs.args else None
     by_softmax_router = is_(logits, "linear")
-    return (by_softmax_router or sigmoid_router.claims(topk) or topk_softmax_router.claims(topk)
-            or dense_experts.claims_topk(topk))
+    return (by_softmax_router or router_sigmoid.claims(topk) or router_topk_softmax.claims(topk)
+            or experts_dense.claims_topk(topk))
 
 
 def explain_chain(topk: fx.Node, chain: list[fx.Node]) -> tuple[str, fx.Node]:
@@ -134,5 +134,8 @@ def find(graph: fx.Graph) -> list[Rejection]:
             continue
         _, chain = walked
         reason, where = explain_chain(node, chain)
-        found.append(Rejection(PATTERN, reason, where))
+        found.append(Rejection(NAME, reason, where))
     return found
+
+
+PATTERN = Pattern(NAME, find)

@@ -32,8 +32,8 @@ import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
 from ..spec import ExpertsSpec
-from .candidate import Candidate, Rejection
-from .graph import (
+from ..pipeline.candidate import Candidate, Pattern, Rejection
+from ..pipeline.graph import (
     NoMatch,
     arg,
     collect_region,
@@ -47,7 +47,7 @@ from .graph import (
     user_of,
 )
 
-PATTERN = "torchtitan_experts"
+NAME = "torchtitan_experts"
 
 _CASTS = ("to", "float", "bfloat16", "half", "type_as", "contiguous")
 _VIEWS = ("view", "reshape", "flatten")
@@ -243,7 +243,7 @@ def match(gate_mm: fx.Node) -> Candidate:
                      f"({str(dtype_of(x)).removeprefix('torch.')} hidden states, "
                      f"{str(dtype_of(w1)).removeprefix('torch.')} weights)")
     return Candidate(
-        pattern=PATTERN,
+        pattern=NAME,
         spec=spec,
         region=collect_region(inputs, [scatter]),
         op=experts_call,
@@ -252,6 +252,7 @@ def match(gate_mm: fx.Node) -> Candidate:
         input_kinds=["hidden", "expert_ids", "routing_weights", "param", "param", "param"],
         anchor=gate_mm,
         notes=notes,
+        save_h_at=8,
     )
 
 
@@ -296,5 +297,8 @@ def find(graph: fx.Graph) -> list[Candidate | Rejection]:
             seen.update(n for n in cand.region.nodes if is_op(n, "grouped_mm"))
             found.append(cand)
         except NoMatch as e:
-            found.append(Rejection(PATTERN, e.reason, e.node or gate))
+            found.append(Rejection(NAME, e.reason, e.node or gate))
     return found
+
+
+PATTERN = Pattern(NAME, find)

@@ -19,10 +19,10 @@ import sys
 
 import torch.fx as fx
 
-from .candidate import Rejection
-from .graph import arg, is_op
+from ..pipeline.candidate import Pattern, Rejection
+from ..pipeline.graph import arg, is_op
 
-PATTERN = "eager_experts_loop"
+NAME = "eager_experts_loop"
 
 REASON = (
     "transformers' 'eager' experts implementation loops over experts in Python and Dynamo splits it "
@@ -92,5 +92,8 @@ def find(graph: fx.Graph) -> list[Rejection]:
         if is_op(node, "one_hot") and any(is_op(u, "permute") for u in node.users):
             classes = arg(node, 1, "num_classes", -1)
             if isinstance(classes, int) and classes > 1:
-                return [Rejection(PATTERN, reason_for(node), node)]
+                return [Rejection(NAME, reason_for(node), node)]
     return []
+
+
+PATTERN = Pattern(NAME, find)

@@ -28,11 +28,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph import is_op, meta_value
+from .. import config
+from ..pipeline.candidate import GraphRewrite
+from ..pipeline.graph import is_op, meta_value
 
-PATTERN = "causal_sdpa_mask"
-# Off: the mask's rewrite keeps transformers' repeated key / value heads (A/B switch for the benchmarks).
-GROUPED_HEADS = True
+NAME = "causal_sdpa_mask"
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 
 
@@ -153,8 +153,9 @@ _MATH, _NO_KERNEL = 0, -1  # torch.nn.attention.SDPBackend.MATH / ERROR
 
 def _read_groups(node: fx.Node) -> int | None:
     """After the mask's rewrite: a call whose key and value are repeat_kv's reads them unrepeated, with
-    enable_gqa=True. Returns the group size, or None where the call stays as it is."""
-    if not GROUPED_HEADS or len(node.args) < 3 or "enable_gqa" in node.kwargs:
+    enable_gqa=True (``config.causal_sdpa_grouped_heads``). Returns the group size, or None where the call stays
+    as it is."""
+    if not config.causal_sdpa_grouped_heads or len(node.args) < 3 or "enable_gqa" in node.kwargs:
         return None
     k, v = node.args[1], node.args[2]
     src = [_repeat_kv_source(k), _repeat_kv_source(v)]
@@ -189,11 +190,11 @@ def rewrite_graph(graph: fx.Graph, report, where: str, outer: dict | None = None
         if not isinstance(mask, fx.Node):
             continue
         if len(node.args) > 3 or node.kwargs.get("is_causal", False):
-            report.reject(PATTERN, "attn_mask passed positionally or with is_causal=True", where, node)
+            report.reject(NAME, "attn_mask passed positionally or with is_causal=True", where, node)
             continue
         q, k = (meta_value(a) for a in node.args[:2])
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
-            report.reject(PATTERN, "query or key has no tensor metadata", where, node)
+            report.reject(NAME, "query or key has no tensor metadata", where, node)
             continue
         if mask not in cache:
             cache[mask] = _constant_value(mask, outer or {})
@@ -201,7 +202,7 @@ def rewrite_graph(graph: fx.Graph, report, where: str, outer: dict | None = None
         if reason is None:
             reason = _why_not_causal(value, q, k)
         if reason is not None:
-            report.reject(PATTERN, reason, where, node)
+            report.reject(NAME, reason, where, node)
             continue
         node.update_kwarg("attn_mask", None)
         node.update_kwarg("is_causal", True)
@@ -210,7 +211,7 @@ def rewrite_graph(graph: fx.Graph, report, where: str, outer: dict | None = None
         groups = _read_groups(node)
         if groups is not None:
             info["gqa_group"] = groups
-        report.rewrite(PATTERN, where, node, info)
+        report.rewrite(NAME, where, node, info)
         changed = True
     # Erase the mask computations nobody reads any more, and nothing else: a graph-wide dead-code pass
     # would also drop unused results of in-place ops elsewhere (their mutation is the point).
@@ -225,3 +226,13 @@ def _mutates(node: fx.Node) -> bool:
     name = getattr(node.target, "__name__", str(node.target))
     schema = getattr(node.target, "_schema", None)
     return name.endswith("_") or bool(schema is not None and schema.is_mutable)
+
+
+def run(module, report, where: str, values) -> bool:
+    """The rewrite of one graph or HOP body, after the patterns (``config.causal_sdpa``)."""
+    if not config.causal_sdpa:
+        return False
+    return rewrite_graph(module.graph, report, where, values.alias)
+
+
+REWRITE = GraphRewrite(NAME, run)

@@ -27,6 +27,7 @@ graph and checked against the shapes.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -35,8 +36,8 @@ import torch.fx as fx
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
 from ..reference import softcaps
 from ..spec import ExpertsSpec
-from .candidate import Candidate, Rejection
-from .graph import (
+from ..pipeline.candidate import Candidate, Pattern, Rejection
+from ..pipeline.graph import (
     NoMatch,
     arg,
     collect_region,
@@ -50,10 +51,10 @@ from .graph import (
     shape_of,
     user_of,
 )
-from .grouped_mm import match_glu, match_swiglu_limit
+from .experts_grouped_mm import match_glu, match_swiglu_limit
 from .router_common import is_, is_fp32_upcast, name
 
-PATTERN = "dense_experts"
+NAME = "dense_experts"
 
 
 def _dims(view: fx.Node) -> list:
@@ -200,7 +201,7 @@ def match(up_bmm: fx.Node) -> Candidate:
         raise NoMatch("gate_up is not chunked over its last dim", chunk)
     gate, up, limit = match_swiglu_limit(getitem_user(chunk, 0), getitem_user(chunk, 1))
     glu, alpha, activation = match_glu(gate, up)
-    if softcaps(activation) is not None:  # would need grouped_mm_path's checks (passes/grouped_mm.py); no model has it
+    if softcaps(activation) is not None:  # would need experts_grouped_mm's kernel path check; no model has it
         raise NoMatch("the softcapped SwiGLU in dense experts (not fused)", glu)
     down_bmm = user_of(glu, "bmm")
     if len(down_bmm.args) != 2 or down_bmm.args[0] is not glu or down_bmm.kwargs:
@@ -223,31 +224,19 @@ def match(up_bmm: fx.Node) -> Candidate:
     while gate_args and gate_args[-1] in (None, "silu"):  # only the arguments that differ from the op's defaults
         gate_args = gate_args[:-1]
     return Candidate(
-        pattern=PATTERN,
+        pattern=NAME,
         spec=spec,
         region=collect_region(inputs, [out]),
-        op=DenseAsRouted(top_k=k, sorted=sorted_, upcast=upcast, score_dtype=dtype_of(scores),
-                          row_dtype=dtype, hidden=H),
+        op=functools.partial(dense_as_routed, top_k=k, sorted=sorted_, upcast=upcast, score_dtype=dtype_of(scores),
+                             row_dtype=dtype, hidden=H),
         op_args=(*inputs, save_h, *gate_args),
         output_index=[None],
         input_kinds=["hidden", "hidden", "param", "param"],
         anchor=up_bmm,
         notes=[f"every token ran through all {E} experts (scores 0 off the top-{k}); the fused op computes the "
                f"{k} chosen ones only ({E / k:g}x fewer expert FLOPs)"],
+        save_h_at=4,
     )
-
-
-class DenseAsRouted:
-    """``dense_as_routed`` with the literals the match read. ``save_h_at``: where save_h sits in the call's
-    arguments, for the switch of activation-checkpointed bodies (passes/__init__.py)."""
-
-    save_h_at = 4
-
-    def __init__(self, **literals):
-        self.literals = literals
-
-    def __call__(self, *args):
-        return dense_as_routed(*args, **self.literals)
 
 
 def claims_topk(topk: fx.Node) -> bool:
@@ -272,5 +261,8 @@ def find(graph: fx.Graph) -> list[Candidate | Rejection]:
         try:
             found.append(match(node))
         except NoMatch as e:
-            found.append(Rejection(PATTERN, e.reason, e.node or node))
+            found.append(Rejection(NAME, e.reason, e.node or node))
     return found
+
+
+PATTERN = Pattern(NAME, find)
