@@ -1,0 +1,68 @@
+"""bench/layer.py: one run with a config A/B variant and two rounds, and its argument checks."""
+
+import statistics
+
+import pytest
+
+VARIANTS = ["eager", "inductor", "moe_fuse", "moe_fuse:ragged_min_rows=0"]
+
+
+@pytest.fixture(scope="module")
+def run(run_bench):
+    return run_bench("layer.py", "--variants", ",".join(VARIANTS), "--rounds", "2")
+
+
+def test_rows(run, check_provenance):
+    data = run.json()
+    check_provenance(data["meta"], "layer.py")
+    assert data["peak"]["tflops"] > 0
+    rows = {(r["variant"], r["mode"]): r for r in data["rows"]}
+    assert set(rows) == {(v, m) for v in VARIANTS for m in ("fwd", "fwd+bwd")}
+    for (variant, mode), r in rows.items():
+        assert r["status"] == "ok", r
+        assert len(r["rounds_ms"]) == 2 and r["ms"] == statistics.median(r["rounds_ms"]) > 0
+        assert r["tflops"] > 0 and r["pct_peak"] > 0
+        assert r["x_inductor_rounds"] == [a / b for a, b in zip(rows["inductor", mode]["rounds_ms"], r["rounds_ms"])]
+        assert r["err"] < 1e-5  # fp32 against eager
+        if mode == "fwd+bwd":
+            assert set(r["grad_errs"]) == {"x", "gate.weight", "experts.gate_up_proj", "experts.down_proj"}
+            assert r["grad_err"] == max(r["grad_errs"].values()) < 1e-5
+        if variant.startswith("moe_fuse"):
+            assert r["rewrites"] == ["grouped_mm_experts", "softmax_topk_router"]
+            assert r["compile_s"] > 0
+    assert rows["inductor", "fwd"]["x_inductor"] == 1.0
+    assert rows["moe_fuse:ragged_min_rows=0", "fwd"]["settings"] == {"ragged_min_rows": 0}
+    assert rows["moe_fuse", "fwd"]["settings"] == {}
+
+
+def test_table(run):
+    md = run.md()
+    assert "| shape | T | mode | variant | status | ms | TFLOP/s | % peak | x inductor |" in md
+    assert "| tiny | 64 | fwd+bwd | moe_fuse:ragged_min_rows=0 | ok |" in md
+    assert "- tiny T=64 fwd+bwd moe_fuse: " in md  # x inductor by round
+    assert "moe_fuse rewrites: moe_fuse: grouped_mm_experts, softmax_topk_router" in md
+    assert md in run.stdout.replace("\r", "")
+    assert (run.out / "layer_cpu.png").exists() or "(no PNG: matplotlib not importable" in run.stdout
+
+
+@pytest.mark.parametrize("variants, message", [
+    ("moe_fuse:no_such_setting=1", "unknown moe_fuse setting(s) ['no_such_setting']"),
+    ("moe_fuse:ragged_min_rows=-1", "moe_fuse setting ragged_min_rows=-1; expected an int >= 0"),
+    ("inductor:grouped_mm=False", "settings apply to the moe_fuse variants only"),
+    ("moe_fuse:grouped_mm", "'grouped_mm' is not name=value"),
+    ("liger", "unknown variant 'liger'"),
+])
+def test_bad_variant(variants, message, capsys):
+    import layer
+
+    with pytest.raises(SystemExit) as e:
+        layer.parse_args(["--cpu-smoke", "--variants", variants])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_rounds_must_be_positive(capsys):
+    import layer
+
+    with pytest.raises(SystemExit) as e:
+        layer.parse_args(["--cpu-smoke", "--rounds", "0"])
+    assert e.value.code == 2 and "--rounds must be at least 1, got 0" in capsys.readouterr().err
