@@ -8,7 +8,10 @@
     grouped_mm_path.py  the Hopper bf16 path: GEMMs on expert-sorted rows (torch._grouped_mm or ragged_gemm.py)
                         with the row copies (permute.py), the activation passes (ungated.py for experts without
                         a gate) and the combines around them
-    _jit.py             lazy_jit: kernels jitted at first launch, compiled or interpreted by TRITON_INTERPRET then
+    _jit.py             lazy_jit: kernels jitted at first launch, compiled or interpreted by TRITON_INTERPRET then;
+                        jit_helper: device functions jitted with the kernel that calls them
+    jit_math.py         the shared activation math (SwiGLU and its forms, dSwiGLU, clamps, softcap tanh, softmax)
+    jit_tiles.py        the grouped GEMMs' program -> tile -> expert map
 
 Importing this package does not import triton: triton fixes whether its own library (tl.sum, tl.cumsum, ...) is
 compiled or interpreted when it is first imported, from TRITON_INTERPRET. Deferring that import to the first

@@ -6,9 +6,26 @@ variable after some other module imported this package would then get
 compiled kernels on CPU tensors. ``lazy_jit`` defers that decision to the
 first launch under each setting, so the flag is read at call time.
 
-Kernels wrapped this way must not call other ``@triton.jit`` helpers: a helper
-would be fixed at import time and could disagree with its caller. Each kernel
-here is therefore self-contained.
+Device functions shared by kernels are ``jit_helper``s, never ``@triton.jit``
+functions: a ``@triton.jit`` helper would be fixed at import time and could
+disagree with its caller. When ``lazy_jit`` jits a kernel for one setting, it
+jits it from a copy of the kernel's function whose globals map each helper's
+name to that helper jitted for the same setting (and so on for helpers that
+call helpers). The rules that come with it:
+
+- a kernel or helper names a helper by a module global (``from .jit_math import
+  glu``), not an attribute (``jit_math.glu``) nor a closure variable;
+- that copy of the globals is taken at the first launch under each setting:
+  what the function reads from its module is what the module held then (the
+  kernels read ``tl`` and helpers only);
+- a helper returns its values at its end (no early return inside it); a kernel
+  that exits early tests what a helper returned.
+
+Triton inlines device functions, so a kernel calling a helper computes what it
+would with the helper's body pasted in, bit for bit. The instructions come in
+the order of the calls and their arguments, and ptxas' schedule follows that
+order: a kernel keeps its steps in the order they had (jit_math.py says how
+for the backward passes), and then compiles to the same machine code.
 
 Triton's own library functions (``tl.sum``, ``tl.cumsum``, ``tl.sigmoid``) are
 jitted when ``triton.language`` is first imported, so the interpreter works
@@ -20,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 
 import torch
 import triton
@@ -61,7 +79,8 @@ _TRITON_MINOR = ".".join(triton.__version__.split(".")[:2])
 
 
 class lazy_jit:
-    """``kernel[grid](...)`` like a ``triton.jit`` function, jitted on first use per interpreter setting.
+    """``kernel[grid](...)`` like a ``triton.jit`` function, jitted on first use per interpreter setting, with
+    the ``jit_helper``s it calls jitted for the same setting.
 
     Compiled launches of a specialization seen before skip most of ``JITFunction.run``: on the H200
     hosts it costs ~17-19 us of Python per launch of a 20-argument kernel on top of 8-11 us for the
@@ -84,8 +103,7 @@ class lazy_jit:
         mode = interpreting()
         kernel = self._by_mode.get(mode)
         if kernel is None:
-            # triton.jit reads TRITON_INTERPRET from os.environ right now.
-            kernel = self._by_mode[mode] = triton.jit(self.fn)
+            kernel = self._by_mode[mode] = _jit(self.fn, mode)
         return kernel
 
     def __getitem__(self, grid):
@@ -121,3 +139,71 @@ class lazy_jit:
             compiled.function, compiled.packed_metadata, None, None, None, *bound.values(),
         )
         return compiled
+
+
+class jit_helper:
+    """A Triton device function for ``lazy_jit`` kernels and other helpers to call: jitted per interpreter
+    setting, each time with the kernel that calls it (see the module docstring)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.__qualname__ = fn.__qualname__
+        self.__doc__ = fn.__doc__
+        self.__module__ = fn.__module__
+        self._by_mode = {}
+
+    def jitted(self, interpret: bool):
+        """The helper as a device function of kernels jitted for the interpreter (True) or the compiler."""
+        fn = self._by_mode.get(interpret)
+        if fn is None:
+            fn = _jit(self.fn, interpret, self._by_mode)
+        return fn
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(f"{self!r} runs inside a Triton kernel only")
+
+    def __repr__(self):
+        return f"<jit_helper {self.__module__}.{self.__qualname__} (import it by name into the calling module)>"
+
+
+def _helper_names(fn) -> list[str]:
+    """The globals of fn that are jit_helpers and that its code may read."""
+    names = set()
+    codes = [fn.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return sorted(n for n in names if isinstance(fn.__globals__.get(n), jit_helper))
+
+
+def _jit(fn, interpret: bool, cache: dict | None = None):
+    """fn jitted for the interpreter or the compiler, with its helpers jitted the same way.
+
+    A function that calls no helper is jitted as it is. Otherwise a copy of it is: same code, same source
+    for triton (cache key, interpreter rewrite), and globals that are a copy of its module's with each
+    helper's name bound to the helper's jitted function. ``cache`` (a helper's per-setting cache) gets
+    the result before the helpers are bound, so a helper that reaches itself again finds it.
+    """
+    names = _helper_names(fn)
+    scope = fn.__globals__
+    if names:
+        scope = dict(scope)
+        copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        copy.__qualname__ = fn.__qualname__
+        copy.__doc__ = fn.__doc__
+        copy.__annotations__ = fn.__annotations__
+        fn = copy
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        jitted = InterpretedFunction(fn)
+    else:
+        jitted = triton.runtime.JITFunction(fn)
+    if cache is not None:
+        cache[interpret] = jitted
+    for name in names:
+        scope[name] = scope[name].jitted(interpret)
+    return jitted

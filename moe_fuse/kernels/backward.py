@@ -48,6 +48,8 @@ from .combine import combine
 from .forward import supports
 from . import transposed
 from .grouped_gemm import GemmConfig, _dot_precision, _m_tiles_bound, _tma_ok, default_config
+from .jit_math import clamp_gate_up, dglu, gate_up_in_limit, glu_terms, load_gate_up
+from .jit_tiles import expert_tile_counts, grouped_tile, tile_rows
 from .routing import Routing, route
 
 # --------------------------------------------------------------------------- kernels
@@ -96,29 +98,12 @@ def _dgrad_kernel(
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # ---- program -> (M-tile, N-tile), GROUP_M M-tiles at a time for L2 reuse (as in grouped_gemm.py)
-    pid = tl.program_id(0)
-    num_n_tiles = tl.cdiv(I, BLOCK_N)
-    per_group = GROUP_M * num_n_tiles
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
-    # ---- M-tile -> expert (lazy_jit kernels cannot share helpers: same code as grouped_gemm.py)
-    bins = tl.arange(0, E_P2)
-    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    # ---- program -> (M-tile, N-tile) -> expert and rows (jit_tiles.py)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
+    bins, counts, tiles = expert_tile_counts(counts_ptr, E, BLOCK_M, E_P2)
     if pid_m >= tl.sum(tiles, axis=0):
         return
-    before = tl.cumsum(tiles, axis=0) <= pid_m
-    expert = tl.sum(before.to(tl.int32), axis=0)
-    tile_in_expert = pid_m - tl.sum(tl.where(before, tiles, 0), axis=0)
-    row_begin = tl.sum(tl.where(before, counts, 0), axis=0)
-    row_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
-
-    m = tile_in_expert * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = m < row_count
+    expert, tile_in_expert, row_begin, m, row_valid = tile_rows(bins, counts, tiles, pid_m, BLOCK_M)
     pos = row_begin + m
     src = tl.load(order_ptr + pos, mask=row_valid, other=0)
     token = (src // TOP_K).to(tl.int64)  # rows past the expert's end read token 0: never stored
@@ -183,36 +168,15 @@ def _dgrad_kernel(
 
     # ---- epilogue, fp32: SwiGLU recomputed, its backward, the routing-weight gradient's partial sum
     rw = tl.load(rw_ptr + src, mask=row_valid, other=0.0).to(tl.float32)[:, None]
-    # The gate math below is _dswiglu_kernel's (lazy_jit kernels cannot share a jit helper): change both.
     if LIMITED:  # clamp h as the forward stored it (rounded); a clamped value passes no gradient
         acc_g = acc_g.to(dh_ptr.dtype.element_ty).to(tl.float32)
         acc_u = acc_u.to(dh_ptr.dtype.element_ty).to(tl.float32)
-        g_in = acc_g <= limit
-        u_in = (acc_u >= -limit) & (acc_u <= limit)
-        acc_g = tl.minimum(acc_g, limit, propagate_nan=tl.PropagateNan.ALL)
-        acc_u = tl.minimum(tl.maximum(acc_u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
-    if ALPHA_GATE:
-        sig = tl.sigmoid(alpha * acc_g)
-        act = acc_g * sig
-        up_term = acc_u + 1.0
-    elif GELU_TANH:  # gelu's tanh form is gate * sigmoid(u), u = 2 * sqrt(2 / pi) * (gate + 0.044715 * gate^3)
-        sig = tl.sigmoid(1.5957691216057308 * (acc_g + 0.044715 * acc_g * acc_g * acc_g))
-        act = acc_g * sig
-        up_term = acc_u
-    else:
-        sig = tl.sigmoid(acc_g)
-        act = acc_g * sig  # silu(gate)
-        up_term = acc_u
+        g_in, u_in = gate_up_in_limit(acc_g, acc_u, limit)
+        acc_g, acc_u = clamp_gate_up(acc_g, acc_u, limit)
+    sig, act, up_term, tg, tu = glu_terms(acc_g, acc_u, alpha, 1.0, 1.0, ALPHA_GATE, GELU_TANH, False)
     a = act * up_term
     partial = tl.sum(tl.where(n_in, acc_d * a, 0.0), axis=1)
-    d_a = rw * acc_d
-    if ALPHA_GATE:
-        d_gate = d_a * up_term * sig * (1.0 + alpha * acc_g * (1.0 - sig))
-    elif GELU_TANH:  # d(gate * sigmoid(u)) = sig * (1 + gate * (1 - sig) * du), du = C * (1 + 3 * 0.044715 * gate^2)
-        d_gate = d_a * acc_u * sig * (1.0 + 1.5957691216057308 * (1.0 + 0.134145 * acc_g * acc_g) * acc_g * (1.0 - sig))
-    else:
-        d_gate = d_a * acc_u * sig * (1.0 + acc_g * (1.0 - sig))
-    d_up = d_a * act
+    d_gate, d_up = dglu(rw * acc_d, acc_g, acc_u, sig, act, up_term, tg, tu, alpha, ALPHA_GATE, GELU_TANH, False)
     if LIMITED:
         d_gate = tl.where(g_in, d_gate, 0.0)
         d_up = tl.where(u_in, d_up, 0.0)
@@ -258,27 +222,11 @@ def _dy_wdown_kernel(
     (ptxas, sm_90a) and ran at 2x its main loop's time; ``_dswiglu_kernel`` does that part as a
     bandwidth-bound pass instead (bench/KERNELS_NOTES.md).
     """
-    pid = tl.program_id(0)
-    num_n_tiles = tl.cdiv(I, BLOCK_N)
-    per_group = GROUP_M * num_n_tiles
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
-    bins = tl.arange(0, E_P2)
-    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
+    bins, counts, tiles = expert_tile_counts(counts_ptr, E, BLOCK_M, E_P2)
     if pid_m >= tl.sum(tiles, axis=0):
         return
-    before = tl.cumsum(tiles, axis=0) <= pid_m
-    expert = tl.sum(before.to(tl.int32), axis=0)
-    tile_in_expert = pid_m - tl.sum(tl.where(before, tiles, 0), axis=0)
-    row_begin = tl.sum(tl.where(before, counts, 0), axis=0)
-    row_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
-
-    m = tile_in_expert * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = m < row_count
+    expert, tile_in_expert, row_begin, m, row_valid = tile_rows(bins, counts, tiles, pid_m, BLOCK_M)
     pos = row_begin + m
     src = tl.load(order_ptr + pos, mask=row_valid, other=0)
     token = (src // TOP_K).to(tl.int64)  # rows past the expert's end read token 0: never stored
@@ -354,77 +302,29 @@ def _dswiglu_kernel(
     src = tl.load(order_ptr + p, mask=in_s, other=0)
     w = tl.load(rw_ptr + src, mask=routed, other=0.0).to(tl.float32)[:, None]
     p64 = p.to(tl.int64)[:, None]
-    if HAS_BIAS:  # each row's expert
+    e64 = p64  # each row's expert with HAS_BIAS; not read without
+    if HAS_BIAS:
         e64 = tl.load(ids_ptr + src, mask=routed, other=0).to(tl.int64)[:, None]
     dw = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for i0 in range(0, I, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         mask = routed[:, None] & (i < I)[None, :]
         g = tl.load(g_ptr + p64 * I + i[None, :], mask=mask, other=0.0).to(tl.float32)
-        # The gate | up loads are grouped_mm_path._swiglu_kernel's: change both.
-        c = 2 * i0 + tl.arange(0, 2 * BLOCK_I)  # INTERLEAVED: the chunk's columns of h and d_h
-        pmask = routed[:, None] & (c < 2 * I)[None, :]
-        if INTERLEAVED:
-            pair = tl.load(h_ptr + p64 * (2 * I) + c[None, :], mask=pmask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                pair += tl.load(bias_ptr + e64 * (2 * I) + c[None, :], mask=pmask, other=0.0).to(tl.float32)
-            gate, up = tl.split(tl.reshape(pair, (BLOCK_R, BLOCK_I, 2)))
-        else:
-            gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                gate += tl.load(bias_ptr + e64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
-                up += tl.load(bias_ptr + e64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
-        # The gate math below is _dgrad_kernel's epilogue (no shared jit helper: see _jit.py): change both.
-        if LIMITED:  # a clamped value passes no gradient (eager's clamp backward; the bound itself passes)
-            g_in = gate <= limit
-            u_in = (up >= -limit) & (up <= limit)
-            gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-            up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
-        if ALPHA_GATE:
-            sig = tl.sigmoid(alpha * gate)
-            act = gate * sig
-            up_term = up + 1.0
-        elif GELU_TANH:  # gelu's tanh form is gate * sigmoid(u), u = 2 * sqrt(2 / pi) * (gate + 0.044715 * gate^3)
-            sig = tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
-            act = gate * sig
-            up_term = up
-        elif SOFTCAP:  # tanh as in grouped_mm_path._swiglu_kernel (change both)
-            v = gate / gate_cap
-            e = tl.exp(-2.0 * tl.abs(v))
-            v2 = v * v
-            series = v * (1.0 + v2 * (-1.0 / 3 + v2 * (2.0 / 15 + v2 * (-17.0 / 315 + v2 * (62.0 / 2835)))))
-            tg = tl.where(tl.abs(v) < 0.25, series, tl.where(v < 0, -1.0, 1.0) * ((1.0 - e) / (1.0 + e)))
-            v = up / up_cap
-            e = tl.exp(-2.0 * tl.abs(v))
-            v2 = v * v
-            series = v * (1.0 + v2 * (-1.0 / 3 + v2 * (2.0 / 15 + v2 * (-17.0 / 315 + v2 * (62.0 / 2835)))))
-            tu = tl.where(tl.abs(v) < 0.25, series, tl.where(v < 0, -1.0, 1.0) * ((1.0 - e) / (1.0 + e)))
-            sig = tl.sigmoid(gate)
-            act = tg * gate_cap * sig
-            up_term = tu * up_cap
-        else:
-            sig = tl.sigmoid(gate)
-            act = gate * sig  # silu(gate)
-            up_term = up
+        gate, up = load_gate_up(h_ptr, bias_ptr, p64, e64, i0, i, I, routed, mask, HAS_BIAS, INTERLEAVED, BLOCK_R,
+                                BLOCK_I)
+        if LIMITED:  # a clamped value passes no gradient
+            g_in, u_in = gate_up_in_limit(gate, up, limit)
+            gate, up = clamp_gate_up(gate, up, limit)
+        sig, act, up_term, tg, tu = glu_terms(gate, up, alpha, gate_cap, up_cap, ALPHA_GATE, GELU_TANH, SOFTCAP)
         a = act * up_term
         dw += tl.sum(g * a, axis=1)
-        d_a = w * g
-        if ALPHA_GATE:
-            d_gate = d_a * up_term * sig * (1.0 + alpha * gate * (1.0 - sig))
-        elif GELU_TANH:  # d(gate * sigmoid(u)) = sig * (1 + gate * (1 - sig) * du), du = C * (1 + 3 * 0.044715 * gate^2)
-            d_gate = d_a * up * sig * (1.0 + 1.5957691216057308 * (1.0 + 0.134145 * gate * gate) * gate * (1.0 - sig))
-        elif SOFTCAP:  # d act = sig (1 - tg^2) + act (1 - sig); d up_term = 1 - tu^2
-            d_gate = d_a * up_term * (sig * (1.0 - tg * tg) + act * (1.0 - sig))
-        else:
-            d_gate = d_a * up * sig * (1.0 + gate * (1.0 - sig))
-        d_up = d_a * act
-        if SOFTCAP:
-            d_up = d_up * (1.0 - tu * tu)
+        d_gate, d_up = dglu(w * g, gate, up, sig, act, up_term, tg, tu, alpha, ALPHA_GATE, GELU_TANH, SOFTCAP)
         if LIMITED:
             d_gate = tl.where(g_in, d_gate, 0.0)
             d_up = tl.where(u_in, d_up, 0.0)
-        if INTERLEAVED:
+        if INTERLEAVED:  # the chunk's columns of d_h, as load_gate_up read h's
+            c = 2 * i0 + tl.arange(0, 2 * BLOCK_I)
+            pmask = routed[:, None] & (c < 2 * I)[None, :]
             d_pair = tl.reshape(tl.join(d_gate, d_up), (BLOCK_R, 2 * BLOCK_I))
             tl.store(dh_ptr + p64 * (2 * I) + c[None, :], d_pair.to(dh_ptr.dtype.element_ty), mask=pmask)
         else:
@@ -461,27 +361,11 @@ def _dx_kernel(
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n_tiles = tl.cdiv(H, BLOCK_N)
-    per_group = GROUP_M * num_n_tiles
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
-    bins = tl.arange(0, E_P2)
-    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, tl.cdiv(H, BLOCK_N), GROUP_M)
+    bins, counts, tiles = expert_tile_counts(counts_ptr, E, BLOCK_M, E_P2)
     if pid_m >= tl.sum(tiles, axis=0):
         return
-    before = tl.cumsum(tiles, axis=0) <= pid_m
-    expert = tl.sum(before.to(tl.int32), axis=0)
-    tile_in_expert = pid_m - tl.sum(tl.where(before, tiles, 0), axis=0)
-    row_begin = tl.sum(tl.where(before, counts, 0), axis=0)
-    row_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
-
-    m = tile_in_expert * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = m < row_count
+    expert, tile_in_expert, row_begin, m, row_valid = tile_rows(bins, counts, tiles, pid_m, BLOCK_M)
     pos = row_begin + tl.where(row_valid, m, 0)  # invalid rows re-read the expert's first row
     src = tl.load(order_ptr + pos)
 
@@ -547,12 +431,7 @@ def _wgrad_kernel(
     pid = tl.program_id(0)
     per_expert = num_m_tiles * num_n_tiles
     expert = tl.load(experts_ptr + pid // per_expert)
-    t = pid % per_expert
-    per_group = GROUP_M * num_n_tiles
-    first_m = (t // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (t % per_group) % group_rows
-    pid_n = (t % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(pid % per_expert, num_m_tiles, num_n_tiles, GROUP_M)
 
     row_begin = tl.load(offsets_ptr + expert)
     row_count = tl.load(offsets_ptr + expert + 1) - row_begin

@@ -34,6 +34,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..reference import limit_in
 from ._jit import cdiv, interpreting, lazy_jit, next_power_of_2
+from .jit_math import glu
+from .jit_tiles import expert_tile_counts, grouped_tile, tile_rows
 from .routing import Routing
 
 
@@ -87,29 +89,12 @@ def _gate_up_kernel(
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # ---- program -> (M-tile, N-tile), GROUP_M M-tiles at a time for L2 reuse
-    pid = tl.program_id(0)
-    num_n_tiles = tl.cdiv(I, BLOCK_N)
-    per_group = GROUP_M * num_n_tiles
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
-    # ---- M-tile -> expert (same code in _down_kernel; lazy_jit kernels cannot share helpers)
-    bins = tl.arange(0, E_P2)
-    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    # ---- program -> (M-tile, N-tile) -> expert and rows (jit_tiles.py)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
+    bins, counts, tiles = expert_tile_counts(counts_ptr, E, BLOCK_M, E_P2)
     if pid_m >= tl.sum(tiles, axis=0):
         return
-    before = tl.cumsum(tiles, axis=0) <= pid_m  # experts whose tiles all come before pid_m
-    expert = tl.sum(before.to(tl.int32), axis=0)
-    tile_in_expert = pid_m - tl.sum(tl.where(before, tiles, 0), axis=0)
-    row_begin = tl.sum(tl.where(before, counts, 0), axis=0)
-    row_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
-
-    m = tile_in_expert * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = m < row_count
+    expert, tile_in_expert, row_begin, m, row_valid = tile_rows(bins, counts, tiles, pid_m, BLOCK_M)
     pos = row_begin + m  # sorted positions of this tile
     src = tl.load(order_ptr + pos, mask=row_valid, other=0)
     token = src // TOP_K  # rows past the expert's end read token 0: valid memory, never stored
@@ -158,17 +143,10 @@ def _gate_up_kernel(
         h_ptrs = h_ptr + pos64 * (2 * I) + n[None, :]
         tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=out_mask)
         tl.store(h_ptrs + I, acc_u.to(h_ptr.dtype.element_ty), mask=out_mask)
-    if LIMITED:  # clamp what h stores (rounded), as eager clamps h
-        acc_g = tl.minimum(acc_g.to(h_ptr.dtype.element_ty).to(tl.float32), limit, propagate_nan=tl.PropagateNan.ALL)
+    if LIMITED:  # the clamp applies to what h stores (rounded), as eager clamps h
+        acc_g = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)
         acc_u = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
-        acc_u = tl.minimum(tl.maximum(acc_u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
-                           propagate_nan=tl.PropagateNan.ALL)
-    if ALPHA_GATE:
-        act = acc_g * tl.sigmoid(alpha * acc_g) * (acc_u + 1.0)
-    elif GELU_TANH:  # gelu's tanh form is gate * sigmoid(2 * sqrt(2 / pi) * (gate + 0.044715 * gate^3))
-        act = acc_g * tl.sigmoid(1.5957691216057308 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)) * acc_u
-    else:
-        act = acc_g * tl.sigmoid(acc_g) * acc_u
+    act = glu(acc_g, acc_u, limit, alpha, 1.0, 1.0, LIMITED, ALPHA_GATE, GELU_TANH, False)
     tl.store(a_ptr + pos64 * I + n[None, :], act.to(a_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -199,28 +177,11 @@ def _down_kernel(
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n_tiles = tl.cdiv(H, BLOCK_N)
-    per_group = GROUP_M * num_n_tiles
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
-    # ---- M-tile -> expert (as in _gate_up_kernel)
-    bins = tl.arange(0, E_P2)
-    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, tl.cdiv(H, BLOCK_N), GROUP_M)
+    bins, counts, tiles = expert_tile_counts(counts_ptr, E, BLOCK_M, E_P2)
     if pid_m >= tl.sum(tiles, axis=0):
         return
-    before = tl.cumsum(tiles, axis=0) <= pid_m
-    expert = tl.sum(before.to(tl.int32), axis=0)
-    tile_in_expert = pid_m - tl.sum(tl.where(before, tiles, 0), axis=0)
-    row_begin = tl.sum(tl.where(before, counts, 0), axis=0)
-    row_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
-
-    m = tile_in_expert * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = m < row_count
+    expert, tile_in_expert, row_begin, m, row_valid = tile_rows(bins, counts, tiles, pid_m, BLOCK_M)
     pos = row_begin + tl.where(row_valid, m, 0)  # invalid rows re-read the expert's first row
     src = tl.load(order_ptr + pos)
 

@@ -41,6 +41,7 @@ from ._jit import cdiv, interpreting, lazy_jit
 from . import transposed
 from . import ungated
 from .backward import bias_operands, check_saved_h, dswiglu, expert_sums
+from .jit_math import glu, load_gate_up
 from .permute import combine_sorted, expand_rows
 from .ragged_gemm import ragged_gemm, tile_map
 from .routing import Routing, route
@@ -72,56 +73,22 @@ def _swiglu_kernel(
 ):
     """aw = silu(gate) * up * w in fp32, rounded once; rows past offsets[E] are not written.
 
-    The product order is the dSwiGLU pass's (backward.py), so the two round to the same aw.
+    a = jit_math.glu, the products of the dSwiGLU pass's a (backward.py), so the two round to the same aw.
     """
     p = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     routed = (p < S) & (p < tl.load(offsets_ptr + E))
     src = tl.load(order_ptr + p, mask=routed, other=0)
     w = tl.load(rw_ptr + src, mask=routed, other=0.0).to(tl.float32)[:, None]
     p64 = p.to(tl.int64)[:, None]
-    if HAS_BIAS:  # each row's expert
+    e64 = p64  # each row's expert with HAS_BIAS; not read without
+    if HAS_BIAS:
         e64 = tl.load(ids_ptr + src, mask=routed, other=0).to(tl.int64)[:, None]
     for i0 in range(0, I, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         mask = routed[:, None] & (i < I)[None, :]
-        # The gate | up loads below are _dswiglu_kernel's (backward.py): change both.
-        if INTERLEAVED:  # one [BLOCK_R, 2 * BLOCK_I] load, split into its even and odd columns
-            c = 2 * i0 + tl.arange(0, 2 * BLOCK_I)
-            pmask = routed[:, None] & (c < 2 * I)[None, :]
-            pair = tl.load(h_ptr + p64 * (2 * I) + c[None, :], mask=pmask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                pair += tl.load(bias_ptr + e64 * (2 * I) + c[None, :], mask=pmask, other=0.0).to(tl.float32)
-            gate, up = tl.split(tl.reshape(pair, (BLOCK_R, BLOCK_I, 2)))
-        else:
-            gate = tl.load(h_ptr + p64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(h_ptr + p64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                gate += tl.load(bias_ptr + e64 * (2 * I) + i[None, :], mask=mask, other=0.0).to(tl.float32)
-                up += tl.load(bias_ptr + e64 * (2 * I) + I + i[None, :], mask=mask, other=0.0).to(tl.float32)
-        if LIMITED:
-            gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-            up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
-                            propagate_nan=tl.PropagateNan.ALL)
-        if ALPHA_GATE:
-            aw = w * (gate * tl.sigmoid(alpha * gate) * (up + 1.0))
-        elif GELU_TANH:  # gelu's tanh form is gate * sigmoid(2 * sqrt(2 / pi) * (gate + 0.044715 * gate^3))
-            aw = w * (gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up)
-        elif SOFTCAP:
-            # tanh(v) of v = gate / gate_cap and up / up_cap: (1 - e) / (1 + e), e = exp(-2|v|), with the sign; below
-            # |v| = 1/4, where 1 - e cancels, its series to v^9 (error < 1e-8 relative). The same in _dswiglu_kernel.
-            v = gate / gate_cap
-            e = tl.exp(-2.0 * tl.abs(v))
-            v2 = v * v
-            series = v * (1.0 + v2 * (-1.0 / 3 + v2 * (2.0 / 15 + v2 * (-17.0 / 315 + v2 * (62.0 / 2835)))))
-            tg = tl.where(tl.abs(v) < 0.25, series, tl.where(v < 0, -1.0, 1.0) * ((1.0 - e) / (1.0 + e)))
-            v = up / up_cap
-            e = tl.exp(-2.0 * tl.abs(v))
-            v2 = v * v
-            series = v * (1.0 + v2 * (-1.0 / 3 + v2 * (2.0 / 15 + v2 * (-17.0 / 315 + v2 * (62.0 / 2835)))))
-            tu = tl.where(tl.abs(v) < 0.25, series, tl.where(v < 0, -1.0, 1.0) * ((1.0 - e) / (1.0 + e)))
-            aw = w * (tg * gate_cap * tl.sigmoid(gate) * (tu * up_cap))
-        else:
-            aw = w * (gate * tl.sigmoid(gate) * up)
+        gate, up = load_gate_up(h_ptr, bias_ptr, p64, e64, i0, i, I, routed, mask, HAS_BIAS, INTERLEAVED, BLOCK_R,
+                                BLOCK_I)
+        aw = w * glu(gate, up, limit, alpha, gate_cap, up_cap, LIMITED, ALPHA_GATE, GELU_TANH, SOFTCAP)
         tl.store(a_ptr + p64 * I + i[None, :], aw.to(a_ptr.dtype.element_ty), mask=mask)
 
 

@@ -23,6 +23,7 @@ import torch
 import triton.language as tl
 
 from ._jit import cdiv, lazy_jit, next_power_of_2
+from .jit_math import masked_softmax
 
 
 @lazy_jit
@@ -47,9 +48,7 @@ def _softmax_topk_kernel(
     logits = tl.load(
         logits_ptr + t.to(tl.int64)[:, None] * stride_t + e[None, :], mask=valid, other=-float("inf")
     ).to(tl.float32)
-    peak = tl.max(logits, axis=1)
-    p = tl.where(valid, tl.exp(logits - peak[:, None]), 0.0)
-    p = p / tl.sum(p, axis=1)[:, None]
+    p = masked_softmax(logits, valid)
     p = tl.where(valid, p, -1.0)  # padding columns are never picked
 
     values = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
@@ -113,9 +112,7 @@ def _softmax_topk_backward_kernel(
     valid = t_ok[:, None] & (e < E)[None, :]
     t64 = t.to(tl.int64)
     logits = tl.load(logits_ptr + t64[:, None] * stride_t + e[None, :], mask=valid, other=-float("inf")).to(tl.float32)
-    peak = tl.max(logits, axis=1)
-    p = tl.where(valid, tl.exp(logits - peak[:, None]), 0.0)
-    p = p / tl.sum(p, axis=1)[:, None]
+    p = masked_softmax(logits, valid)  # recomputed as the forward did
 
     # The picked probabilities, their sum and (for the renorm) sum_j dv_j * v_j / total.
     total = tl.zeros((BLOCK_T,), dtype=tl.float32)

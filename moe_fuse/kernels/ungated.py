@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ..reference import UNGATED
 from ._jit import cdiv, interpreting, lazy_jit
+from .jit_math import relu
 
 
 @lazy_jit
@@ -43,7 +44,7 @@ def _act_kernel(
         i = i0 + tl.arange(0, BLOCK_I)
         mask = routed[:, None] & (i < I)[None, :]
         up = tl.load(h_ptr + p64 * I + i[None, :], mask=mask, other=0.0).to(tl.float32)
-        r = tl.maximum(up, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(up)
+        r = relu(up)
         # the product order is _dact_kernel's, so both round to the same aw
         tl.store(a_ptr + p64 * I + i[None, :], (w * (r * r)).to(a_ptr.dtype.element_ty), mask=mask)
 
@@ -78,7 +79,7 @@ def _dact_kernel(
         mask = routed[:, None] & (i < I)[None, :]
         g = tl.load(g_ptr + p64 * I + i[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + p64 * I + i[None, :], mask=mask, other=0.0).to(tl.float32)
-        r = tl.maximum(up, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        r = relu(up)
         a = r * r
         dw += tl.sum(g * a, axis=1)
         tl.store(dh_ptr + p64 * I + i[None, :], (w * g * (2.0 * r)).to(dh_ptr.dtype.element_ty), mask=mask)
