@@ -84,7 +84,7 @@ class lazy_jit:
 
     Compiled launches of a specialization seen before skip most of ``JITFunction.run``: on the H200
     hosts it costs ~17-19 us of Python per launch of a 20-argument kernel on top of 8-11 us for the
-    launcher itself (bench/results/probe_launch_args_2026-12-02*.log), and the 30B layer step at
+    launcher itself (the launch-argument probe at da3be06), and the 30B layer step at
     T=4096, ~16 of our launches for ~2.5 ms of GPU work, is host-bound. The specialization is
     triton's own: its binder, the one ``run`` calls, gives the key (so no rule of triton's is copied
     here); what is skipped is the rest (string cache key, launch metadata, empty hook chains, device

@@ -220,7 +220,7 @@ def _dy_wdown_kernel(
 
     With the dSwiGLU epilogue in this kernel (read h, write d_h and aw) the 128x128 tile spilled
     (ptxas, sm_90a) and ran at 2x its main loop's time; ``_dswiglu_kernel`` does that part as a
-    bandwidth-bound pass instead (bench/KERNELS_NOTES.md).
+    bandwidth-bound pass instead (docs/kernels.md, docs/performance.md).
     """
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
     bins, counts, tiles = expert_tile_counts(counts_ptr, E, BLOCK_M, E_P2)
@@ -515,7 +515,7 @@ def default_backward_config(
     """Block shapes from the average rows per expert (a bucket of S / E, so new batch sizes compile nothing new).
 
     ``saved_h``: the dgrad reads the forward's h (one accumulator) instead of recomputing it (three).
-    Large-batch shapes: see bench/KERNELS_NOTES.md (backward section) for the H200 sweep.
+    Large-batch shapes: see docs/kernels.md, docs/performance.md (backward section) for the H200 sweep.
     """
     if interpreting():
         return INTERPRETER_BACKWARD_CONFIG
@@ -538,7 +538,7 @@ def default_backward_config(
     elif rows <= 160:
         dgrad = GemmConfig(64, 64, bk, 1, 4, 4)  # 64x128 (the forward's) spills here and overflows shared memory
     else:
-        # H200, 30B layer, T=16384 (bench/KERNELS_NOTES.md): three 128x128 accumulators at BK=32 spill
+        # H200, 30B layer, T=16384 (docs/kernels.md, docs/performance.md): three 128x128 accumulators at BK=32 spill
         # ~100 bytes (ptxas) and still beat 128x64 tiles by 13% (437 vs 382-408 TFLOP/s): half the
         # re-reads of the gathered dy and x rows. 128x128 at BK=64 (2 stages) lost 13%.
         dgrad = GemmConfig(128, 128, 32, 8, 8, 3, use_tma=True)
@@ -557,13 +557,13 @@ def _wgrad_config(S: int, E: int, dtype: torch.dtype, kind: str) -> GemmConfig:
     if dtype == torch.float32:
         return GemmConfig(128, 128, bk, 8, 8, 3)
     if rows <= 512:
-        # H200, 256 rows per expert (T=4096), bench/sweep_wgrad_gpu.py: 128x128 tiles with a shallow
+        # H200, 256 rows per expert (T=4096), bench/sweep_wgrad_gpu.py at da3be06: 128x128 tiles with a shallow
         # pipeline fit two programs per SM, so one's epilogue overlaps the other's loads: 9-18% faster
         # than the deep 256x128 / 128x256 ones on both layers (30B 0.773 -> 0.708 and 0.394 -> 0.333 ms).
         if kind == "down":
             return GemmConfig(128, 128, 64, 8, 4, 3)
         return GemmConfig(128, 128, 32, 8, 4, 4)
-    # H200, 30B layer, T=16384 (bench/KERNELS_NOTES.md): 2 x 128 x 128 tiles along the longer output
+    # H200, 30B layer, T=16384 (docs/kernels.md, docs/performance.md): 2 x 128 x 128 tiles along the longer output
     # side with 5 stages beat 128x128x64 s3 by 8-9% on both (1.03 vs 1.13 ms, 2.05 vs 2.22 ms).
     if kind == "down":
         return GemmConfig(128, 256, bk, 8, 8, 5)
@@ -642,7 +642,7 @@ def dswiglu(g, h, rw, routing: Routing, weights_dtype, *, write_aw: bool = True,
     dh = torch.empty(S, 2 * I, dtype=g.dtype, device=g.device)
     aw = torch.empty(S, I, dtype=g.dtype, device=g.device) if write_aw else None
     d_weights = torch.empty(S, dtype=weights_dtype, device=g.device)
-    # 4 x 256: 244 us against 255 at 16 x 128 without aw (30B, T=16384, H200; bench/probe_pass_configs_gpu.py).
+    # 4 x 256: 244 us against 255 at 16 x 128 without aw (30B, T=16384, H200; the pass-config probe at da3be06).
     block_r = 4
     block_i = 32 if interpreting() else 256
     E = routing.counts.numel()

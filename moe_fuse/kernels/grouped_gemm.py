@@ -234,7 +234,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def default_config(kind: str, S: int, E: int, N: int, K: int, dtype: torch.dtype) -> GemmConfig:
     """Block shapes for one GEMM ("gate_up": N = I, K = H; "down": N = H, K = I) from the average rows per expert.
 
-    Measured on an H200 with bench/check_kernels_gpu.py --sweep (bench/KERNELS_NOTES.md).
+    Measured on an H200 with bench/kernels.py (docs/kernels.md, docs/performance.md).
     Depends only on a bucket of S / E, never on the exact token count, so a new
     batch size does not compile new kernels.
     """

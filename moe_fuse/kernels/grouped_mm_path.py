@@ -104,7 +104,7 @@ def swiglu(h: torch.Tensor, routing: Routing, rw: torch.Tensor, swiglu_limit: fl
     I = two_i // 2
     E = routing.counts.numel()
     a = torch.empty(S, I, dtype=h.dtype, device=h.device)
-    # 4 x 256: 150 us against 161 at 16 x 128 (30B, T=16384, H200; bench/probe_pass_configs_gpu.py).
+    # 4 x 256: 150 us against 161 at 16 x 128 (30B, T=16384, H200; the pass-config probe at da3be06).
     block_r, block_i = (4, 32) if interpreting() else (4, 256)
     limit = limit_in(h.dtype, swiglu_limit)
     caps = softcaps(activation)
@@ -271,8 +271,8 @@ def backward_gate_up(dh, x, ids, w_gate_up, routing: Routing, *, bias_dtype=None
     ends = routing.offsets[1:]
     tiles = _tiles(routing, S, ragged) if tiles is BUILD else tiles
     # One stream: each CUTLASS GEMM fills every SM, so a weight-gradient GEMM on a second stream only
-    # starts when the one before it ends (bench/results/trace_layer_paced_2026-11-30.log); layer steps
-    # measured the same with and without (bench/PERF_LOG.md).
+    # starts when the one before it ends (a paced layer trace on an H200, da3be06's bench/trace_layer_gpu.py); layer steps
+    # measured the same with and without (docs/performance.md).
     o = _row_gemm(dh, w_gate_up, tiles, ends, w_kmajor=False)  # [S, H]
     dx = combine_sorted(o, routing.pos.view(T, k), None, x.dtype, ids=ids, num_experts=E)
     del o

@@ -14,7 +14,7 @@ permutation (pos[order[p]] = p).
 One read of every row, a fixed-order fp32 sum over the k slots (bitwise repeatable), and no [T, k, H]
 temporary: torch spells the same as index_select + a broadcast multiply + sum, whose backward is an
 index_add and fp32 elementwise passes over [T, k, H] (on the H200, ~7 of the ~22 ms of a 2-GPU EP
-layer step, bench/ep_layer_bench.py --profile).
+layer step, bench/ep_layer.py).
 
 Products are rounded to promote(rows, weights) before the fp32 sum, as the torch spelling rounds them.
 """

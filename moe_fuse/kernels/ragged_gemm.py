@@ -3,7 +3,7 @@
 The same product as ``torch._grouped_mm(a, B, offs=offsets[1:])`` with 128-row steps per expert.
 On sm90, torch's CUTLASS kernel computes each expert's rows in multiples of 256 (128-row tiles in
 clusters of two): with real routing ~128 rows per expert are computed and dropped, +11-15% on a 30B
-gate_up at T=16384 (bench/KERNELS_NOTES.md, "Rows CUTLASS computes and drops"). Here an expert's
+gate_up at T=16384 (docs/kernels.md, docs/performance.md, "Rows CUTLASS computes and drops"). Here an expert's
 last tile is its only partial one, so ~64 rows per expert are wasted.
 
 Two launches:
@@ -17,7 +17,7 @@ Two launches:
 
 The tile map lives outside the GEMM kernel because a kernel with a reduction or scan in it cannot be
 warp-specialized by triton's sm90 pass. (That pass compiles on triton 3.6 but its kernels hung on
-the H200, a plain dense GEMM included: bench/KERNELS_NOTES.md.) fp32 accumulation in K order, one
+the H200, a plain dense GEMM included: docs/kernels.md, docs/performance.md.) fp32 accumulation in K order, one
 rounding to ``out``'s dtype: on the H200 the result is bitwise CUTLASS's. Rows past ``offsets[E]``
 (expert-parallel sentinels) are in no tile and are left unwritten, as ``torch._grouped_mm`` does.
 """
@@ -41,7 +41,7 @@ class RaggedConfig:
     num_stages: int
 
 
-# 128x256x64, 8 warps, 3 stages: the best of 400b600's sweep (bench/results/probe_ragged_gemm_2026-12-01.log).
+# 128x256x64, 8 warps, 3 stages: the best of a sweep on an H200 (commit 400b600).
 GPU_CONFIG = RaggedConfig(128, 256, 64, 8, 3)
 INTERPRETER_CONFIG = RaggedConfig(16, 32, 32, 4, 1)
 

@@ -6,7 +6,7 @@ sequences (its checks are data-dependent), so instead of eager's
 from ``arange``s (through ``position_ids``) and calls ``sdpa(q, k, v, attn_mask=mask)``. The
 attention kernels then run every block of the square and read the mask: on the H200 the cuDNN
 forward + backward of 6 Qwen3-30B-A3B layers at 8192 tokens took 75 ms compiled vs 20 ms eager
-(bench/results/train_step_ckpt_off_2026-11-30.md).
+(docs/performance.md).
 
 Proof, not probing: a mask whose computation reads no graph input (no placeholder, no
 parameter) and has static shapes is a constant; it is evaluated once here, and the rewrite
