@@ -11,8 +11,8 @@ dW_gate_up when less is live.
 Boundaries (the Triton kernels fill these in):
 - router:  x, W_router -> logits, routing weights, expert ids
            (linear, softmax in fp32, top-k, optional renorm, cast).
-- experts: x, ids, routing weights, W_gate_up, W_down, save_h[, gate] -> (y, h, xs, routing, aw)
-           (routing metadata, permutation, gate_up GEMM, SwiGLU, down GEMM,
+- experts: x, ids, routing weights, W_gate_up, W_down, save_h, epilogue[, gate_up_bias] -> (y, h, xs, routing, aw)
+           (routing metadata, permutation, gate_up GEMM, the epilogue (SwiGLU), down GEMM,
            weighted fixed-order combine over the k slots; h = the gate_up output,
            xs = the expert-sorted rows of x, routing = the routing buffer, aw = the
            weighted SwiGLU output, each kept for the backward when save_h and the
@@ -26,6 +26,7 @@ from torch import Tensor
 from torch._prims_common import make_contiguous_strides_for
 
 from . import dispatch, kernels, reference
+from .spec import Epilogue
 
 _LIB = torch.library.Library("moe_fuse", "FRAGMENT")
 
@@ -117,25 +118,29 @@ torch.library.register_autograd("moe_fuse::router", _router_backward, setup_cont
 # --------------------------------------------------------------------------- experts
 
 
-def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, glu_alpha=None, activation="silu",
-                        gate_up_bias=None, interleaved=False):
-    # Kernels index with these shapes; a mismatch must be an error, not a wrong answer.
+def _epilogue(op: str, epilogue: str) -> Epilogue:
+    """The op's ``epilogue`` string as an Epilogue (cached); ValueError naming the op for a bad one."""
     try:
-        reference.parse_activation(activation)
+        return Epilogue.decode(epilogue)
     except ValueError as e:
-        raise ValueError(f"moe_fuse.experts: {e}") from None
-    if glu_alpha is not None and activation != "silu":
-        raise ValueError(f"moe_fuse.experts: glu_alpha is a gate of its own; it does not combine with {activation!r}")
-    if swiglu_limit is not None and not (0 < swiglu_limit < float("inf")):
-        raise ValueError(f"moe_fuse.experts: swiglu_limit must be a positive finite number, got {swiglu_limit}")
-    if glu_alpha is not None and not (abs(glu_alpha) < float("inf")):
-        raise ValueError(f"moe_fuse.experts: glu_alpha must be a finite number, got {glu_alpha}")
+        raise ValueError(f"moe_fuse.{op}: {e}") from None
+
+
+def _epilogue_string(epilogue: Epilogue | str) -> str:
+    """The op's ``epilogue`` argument for an Epilogue or its string."""
+    return epilogue.encode() if isinstance(epilogue, Epilogue) else epilogue
+
+
+def _check_experts_args(x, ids, weights, w_gate_up, w_down, epilogue: Epilogue, gate_up_bias=None):
+    # Kernels index with these shapes; a mismatch must be an error, not a wrong answer. (The epilogue checked
+    # its own values when it was made.)
     T, H = x.shape
     E, two_i, h2 = w_gate_up.shape
     if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != T:
         raise ValueError(f"moe_fuse.experts: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [T={T}, k]")
-    if not reference.gated(activation):
-        if swiglu_limit is not None or glu_alpha is not None or gate_up_bias is not None or interleaved:
+    if not epilogue.gated:
+        activation = epilogue.activation
+        if gate_up_bias is not None:
             raise ValueError(f"moe_fuse.experts: activation {activation!r} has no gate; swiglu_limit, glu_alpha, "
                              "gate_up_bias and interleaved are gate options")
         if h2 != H or tuple(w_down.shape) != (E, H, two_i):
@@ -154,17 +159,17 @@ def _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit=None, g
                          f"{tuple(gate_up_bias.shape)} {gate_up_bias.dtype}")
 
 
-def _plan(x, ids, weights, w_gate_up, w_down, save_h, activation="silu", gate_up_bias=None, interleaved=False,
+def _plan(x, ids, weights, w_gate_up, w_down, save_h, epilogue: Epilogue, gate_up_bias=None,
           keep_rows=True) -> dispatch.ExpertsPlan:
-    return dispatch.plan(x, ids, weights, w_gate_up, w_down, save_h=save_h, keep_rows=keep_rows, activation=activation,
-                         gate_up_bias=gate_up_bias, interleaved=interleaved)
+    return dispatch.plan(x, ids, weights, w_gate_up, w_down, save_h=save_h, keep_rows=keep_rows,
+                         activation=epilogue.kernel_activation, gate_up_bias=gate_up_bias,
+                         interleaved=epilogue.interleaved)
 
 
 @_op
 def experts(
     x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, save_h: bool = False,
-    swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
-    gate_up_bias: Tensor | None = None, interleaved: bool = False, keep_rows: bool = True,
+    epilogue: str = "silu", gate_up_bias: Tensor | None = None, keep_rows: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(y, h, xs, routing, aw): y, then what the backward reads instead of recomputing (``dispatch.plan``).
 
@@ -178,22 +183,16 @@ def experts(
     ``moe_fuse.keep_rows`` option) keeps h and the routing but not xs and aw: T*k*(H + I) fewer elements
     held per layer, the backward gathers x's rows again and its dSwiGLU pass writes aw.
 
-    swiglu_limit L (transformers' clamped SwiGLU): silu(gate.clamp(max=L)) * up.clamp(-L, L).
-    glu_alpha a (the GPT-OSS-style gate of MiniMax-M3-VL): gate * sigmoid(a * gate) * (up + 1) instead of
-    silu(gate) * up, after the clamps if any.
-    activation "gelu_tanh" (GeGLU, Gemma 4): gelu(gate, approximate="tanh") * up instead of silu(gate) * up;
-    ``reference.softcapped(Cg, Cu)`` (Inkling 2): Cg tanh(gate / Cg) * sigmoid(gate) * Cu tanh(up / Cu) in fp32.
-    activation "relu2" (experts without a gate, Nemotron-H): w_gate_up is the up projection [E, I, H], h [T*k, I],
-    and the activation relu(up)^2; no gate options with it.
+    epilogue: what the experts compute between the GEMMs, ``Epilogue.encode()``'s string ("silu": SwiGLU;
+    the clamped SwiGLU, the GPT-OSS-style gate, GeGLU, the softcapped SwiGLU, interleaved gate/up rows, or experts
+    without a gate, "relu2": w_gate_up is then the up projection [E, I, H] and h [T*k, I]); see ``spec.Epilogue``.
     gate_up_bias [E, 2I] (GPT-OSS): added to the gate_up GEMM's output before the gate (h is kept without it).
-    interleaved (GPT-OSS): gate and up are the even and odd rows of W_gate_up, not its two halves.
     A down-projection bias is not the op's: ``experts_with_biases`` adds it to y.
     """
-    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias,
-                        interleaved)
-    plan = _plan(x, ids, weights, w_gate_up, w_down, save_h, activation, gate_up_bias, interleaved, keep_rows)
-    lim = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation,
-           "gate_up_bias": gate_up_bias, "interleaved": interleaved}
+    ep = _epilogue("experts", epilogue)
+    _check_experts_args(x, ids, weights, w_gate_up, w_down, ep, gate_up_bias)
+    plan = _plan(x, ids, weights, w_gate_up, w_down, save_h, ep, gate_up_bias, keep_rows)
+    lim = ep.kernel_kwargs(gate_up_bias)
     if plan.routing_size:
         y, h, routing, *rows = dispatch.experts_forward(
             x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=bool(plan.rows), **lim
@@ -213,16 +212,16 @@ def experts(
 
 def experts_with_biases(
     x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, gate_up_bias: Tensor | None,
-    down_bias: Tensor | None, save_h: bool = False, swiglu_limit: float | None = None, glu_alpha: float | None = None,
-    activation: str = "silu", interleaved: bool = False,
+    down_bias: Tensor | None, save_h: bool = False, epilogue: Epilogue | str = "silu",
 ) -> Tensor:
     """y of experts whose projections have biases (GPT-OSS): the gate_up bias inside the op, the down bias [E, H]
-    added by ``add_down_bias``. Both biases get gradients; either may be None."""
+    added by ``add_down_bias``. Both biases get gradients; either may be None. epilogue: the op's, as an Epilogue
+    or its string."""
     E, H = w_down.shape[0], w_down.shape[1]
     if down_bias is not None and tuple(down_bias.shape) != (E, H):
         raise ValueError(f"moe_fuse.experts: down_bias must be [E={E}, H={H}], got {tuple(down_bias.shape)}")
-    y = torch.ops.moe_fuse.experts.default(x, ids, weights, w_gate_up, w_down, save_h, swiglu_limit, glu_alpha,
-                                           activation, gate_up_bias, interleaved)[0]
+    y = torch.ops.moe_fuse.experts.default(x, ids, weights, w_gate_up, w_down, save_h, _epilogue_string(epilogue),
+                                           gate_up_bias)[0]
     if down_bias is None:
         return y
     return add_down_bias(y, ids, weights, down_bias, E, x.dtype)
@@ -243,11 +242,10 @@ def _empty(like, cols):
 
 
 @torch.library.register_fake("moe_fuse::experts")
-def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_alpha=None, activation="silu",
-      gate_up_bias=None, interleaved=False, keep_rows=True):
-    _check_experts_args(x, ids, weights, w_gate_up, w_down, swiglu_limit, glu_alpha, activation, gate_up_bias,
-                        interleaved)
-    plan = _plan(x, ids, weights, w_gate_up, w_down, save_h, activation, gate_up_bias, interleaved, keep_rows)
+def _(x, ids, weights, w_gate_up, w_down, save_h=False, epilogue="silu", gate_up_bias=None, keep_rows=True):
+    ep = _epilogue("experts", epilogue)
+    _check_experts_args(x, ids, weights, w_gate_up, w_down, ep, gate_up_bias)
+    plan = _plan(x, ids, weights, w_gate_up, w_down, save_h, ep, gate_up_bias, keep_rows)
     return (
         x.new_empty(x.shape),
         w_gate_up.new_empty((plan.h_rows, w_gate_up.shape[1])),
@@ -260,16 +258,15 @@ def _(x, ids, weights, w_gate_up, w_down, save_h=False, swiglu_limit=None, glu_a
 @_op
 def experts_backward(
     dy: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor,
-    xs: Tensor, routing: Tensor, aw: Tensor, swiglu_limit: float | None = None, glu_alpha: float | None = None,
-    activation: str = "silu", gate_up_bias: Tensor | None = None, interleaved: bool = False,
+    xs: Tensor, routing: Tensor, aw: Tensor, epilogue: str, gate_up_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_weights, d_w_gate_up, d_w_down, d_gate_up_bias); the last is empty without a gate_up_bias.
 
-    h, xs, routing, aw: what the forward kept (``experts``), each empty when not kept (recomputed)."""
-    gate = {"swiglu_limit": swiglu_limit, "glu_alpha": glu_alpha, "activation": activation}
-    if gate_up_bias is not None or interleaved:
-        gate.update(gate_up_bias=gate_up_bias, interleaved=interleaved)
-    if dispatch.on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):
+    h, xs, routing, aw: what the forward kept (``experts``), each empty when not kept (recomputed).
+    epilogue, gate_up_bias: the forward's (the epilogue without a default: a backward graph always names it)."""
+    ep = _epilogue("experts_backward", epilogue)
+    gate = ep.kernel_kwargs(gate_up_bias)
+    if dispatch.on_kernels(x, ids, weights, w_gate_up, w_down, gate["activation"], gate_up_bias, ep.interleaved):
         S, E = ids.shape[0] * ids.shape[1], w_gate_up.shape[0]
         grads = dispatch.experts_backward(  # makes dy contiguous itself
             dy, x, ids, weights, w_gate_up, w_down, h if h.numel() else None,
@@ -294,25 +291,24 @@ def _check_split(name, x, ids, w_gate_up, w_down, dy):
 @_op
 def experts_backward_down(
     dy: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor,
-    routing: Tensor, aw: Tensor, swiglu_limit: float | None = None, glu_alpha: float | None = None,
-    activation: str = "silu", gate_up_bias: Tensor | None = None, interleaved: bool = False,
+    routing: Tensor, aw: Tensor, epilogue: str, gate_up_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(d_h, d_weights, d_w_down): ``experts_backward`` up to the gradient of h, on the grouped_mm path, from the
     forward's h, routing and aw (empty: written again). Nothing after it reads h or aw (``_experts_backward``)."""
     from .kernels import grouped_mm_path
 
+    ep = _epilogue("experts_backward_down", epilogue)
     _check_split("experts_backward_down", x, ids, w_gate_up, w_down, dy)
     dh, d_weights, d_wd = grouped_mm_path.backward_down(
         dy, ids.contiguous(), weights, w_down, h, kernels.routing_from_buffer(routing, ids.numel(), w_down.shape[0]),
-        aw if aw.numel() else None, swiglu_limit=swiglu_limit, glu_alpha=glu_alpha, activation=activation,
-        gate_up_bias=gate_up_bias, interleaved=interleaved, ragged=dispatch.ragged(ids.numel()),
+        aw if aw.numel() else None, **ep.kernel_kwargs(gate_up_bias), ragged=dispatch.ragged(ids.numel()),
     )
     return dh, d_weights.contiguous(), in_layout_of(d_wd, w_down)
 
 
 @torch.library.register_fake("moe_fuse::experts_backward_down")
-def _(dy, x, ids, weights, w_gate_up, w_down, h, routing, aw, swiglu_limit=None, glu_alpha=None, activation="silu",
-      gate_up_bias=None, interleaved=False):
+def _(dy, x, ids, weights, w_gate_up, w_down, h, routing, aw, epilogue, gate_up_bias=None):
+    _epilogue("experts_backward_down", epilogue)
     fmt = torch.contiguous_format
     return (torch.empty_like(h, dtype=dy.dtype, memory_format=fmt), torch.empty_like(weights, memory_format=fmt),
             weight_layout(w_down))
@@ -396,24 +392,19 @@ def in_layout_of(g: Tensor, w: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("moe_fuse::experts_backward")
-def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, swiglu_limit=None, glu_alpha=None, activation="silu",
-      gate_up_bias=None, interleaved=False):
+def _(dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, epilogue, gate_up_bias=None):
+    _epilogue("experts_backward", epilogue)
     fmt = torch.contiguous_format
     d_bias = w_gate_up.new_empty(gate_up_bias.shape) if gate_up_bias is not None else w_gate_up.new_empty((0,))
     return (torch.empty_like(x, memory_format=fmt), torch.empty_like(weights, memory_format=fmt),
             weight_layout(w_gate_up), weight_layout(w_down), d_bias)
 
 
-_GATE_DEFAULTS = (None, None, "silu", None, False)  # swiglu_limit, glu_alpha, activation, gate_up_bias, interleaved
-
-
 def _experts_setup_context(ctx, inputs, output):
-    x, ids, weights, w_gate_up, w_down, _save_h, *gate = inputs  # the arguments after save_h: when passed
-    gate = (*gate[:5], *_GATE_DEFAULTS[len(gate[:5]):])  # (keep_rows, after them, only shapes the outputs)
-    bias = gate[3]
+    # every argument, defaults filled in (keep_rows only shapes the outputs)
+    x, ids, weights, w_gate_up, w_down, _save_h, epilogue, bias, _keep_rows = inputs
     ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, *output[1:], *([bias] if bias is not None else []))
-    ctx.gate = gate[:3]
-    ctx.interleaved = gate[4]
+    ctx.epilogue = epilogue
 
 
 def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing, _d_aw):
@@ -426,16 +417,16 @@ def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing, _d_aw):
         # its [S, H] GEMM output (the layer step's peak: bench/backward_memory_cpu.py); dW_gate_up, which nothing
         # else reads, apart, so that Inductor's memory-aware ordering may run it after later layers' work.
         dh, d_weights, d_wd = torch.ops.moe_fuse.experts_backward_down(
-            dy, x, ids, weights, w_gate_up, w_down, h, routing, aw, *ctx.gate, bias, ctx.interleaved
+            dy, x, ids, weights, w_gate_up, w_down, h, routing, aw, ctx.epilogue, bias
         )
         dx, d_bias = torch.ops.moe_fuse.experts_backward_gate_up(dh, x, ids, w_gate_up, w_down, routing, bias)
         d_wgu = torch.ops.moe_fuse.experts_backward_weight_gate_up(dh, x, ids, w_gate_up, w_down, xs, routing)
     else:
         dx, d_weights, d_wgu, d_wd, d_bias = torch.ops.moe_fuse.experts_backward(
-            dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, *ctx.gate, bias, ctx.interleaved
+            dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, ctx.epilogue, bias
         )
-    # save_h, swiglu_limit, glu_alpha, activation, gate_up_bias, interleaved, keep_rows
-    return dx, None, d_weights, d_wgu, d_wd, None, None, None, None, d_bias if bias is not None else None, None, None
+    # ids, then save_h, epilogue, gate_up_bias, keep_rows
+    return dx, None, d_weights, d_wgu, d_wd, None, None, d_bias if bias is not None else None, None
 
 
 torch.library.register_autograd(

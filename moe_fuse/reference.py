@@ -91,7 +91,8 @@ def clamp_gate_up(gate, up, limit: float | None):
 ACTIVATIONS = ("silu", "gelu_tanh", "relu2")  # and ``softcapped(Cg, Cu)``, an activation with constants
 # "softcapped_silu" carries its two constants in its name, ``softcapped(gate_cap, up_cap)``: Inkling 2's
 # SwiGLU, softcap(gate, Cg) * sigmoid(gate) * softcap(up, Cu) in fp32 with softcap(v, C) = C * tanh(v / C).
-# In the name, not in more op arguments: an activation is one argument of every op that computes one.
+# That is the spelling of this module's and the kernels' ``activation`` argument; the op takes the caps as fields
+# of its epilogue (``spec.Epilogue``, whose ``kernel_kwargs`` writes this name).
 _SOFTCAPPED = re.compile(r"softcapped_silu\(\s*(?P<gate>[^,()\s]+)\s*,\s*(?P<up>[^,()\s]+)\s*\)")
 # Activations of experts without a gate: a = act(up) (transformers' ``has_gate=False``). "relu2" is
 # transformers' ReLUSquaredActivation, relu(up)^2 (Nemotron-H).

@@ -18,10 +18,13 @@ per module class and reason) that says why.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 import torch.nn.functional as F
+
+from ..spec import Epilogue
 
 NAME = "moe_fuse"
 
@@ -67,18 +70,24 @@ def ungated_activation_of(act) -> str | None:
     return "relu2" if _proved(act, "relu2", lambda p: torch.square(F.relu(p))) else None
 
 
-def experts_gate_args(module) -> tuple | None:
-    """The op's arguments after ``save_h`` for ``module`` (swiglu_limit, glu_alpha, activation, trailing
-    defaults left out), or None when its gate is none the op computes."""
+def experts_epilogue(module) -> Epilogue | None:
+    """The op's epilogue for ``module`` (its activation, constants and gate/up row order), or None when its gate is
+    none the op computes."""
     from transformers.integrations.moe import _default_apply_gate
 
     if not getattr(module, "has_gate", True):  # an up projection only
         act = ungated_activation_of(getattr(module, "act_fn", None))
-        return None if act is None else (None, None, act)
+        return None if act is None else _plain(act)
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        return gate_args(module)
+        return gate_epilogue(module)
     act = activation_of(getattr(module, "act_fn", None))
-    return None if act is None else () if act == "silu" else (None, None, act)
+    return None if act is None else _plain(act)
+
+
+@functools.cache
+def _plain(activation: str) -> Epilogue:
+    """``Epilogue(activation)``, made once (every forward asks)."""
+    return Epilogue(activation)
 
 
 def unsupported_reason(module) -> str | None:
@@ -92,7 +101,7 @@ def unsupported_reason(module) -> str | None:
     if not module.has_gate:
         return _ungated_reason(module)
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        if gate_args(module) is None:
+        if gate_epilogue(module) is None:
             return f"a custom gating function ({type(module).__name__}._apply_gate)"
     elif activation_of(getattr(module, "act_fn", None)) is None:
         return f"activation {type(getattr(module, 'act_fn', None)).__name__}, not silu or tanh-approximated gelu"
@@ -143,7 +152,7 @@ def _ungated_reason(module) -> str | None:
 
 def _interleaved(module) -> bool:
     """gate and up rows alternate in gate_up_proj: transformers' ``is_concatenated=False`` (GPT-OSS) on a module
-    with a gate of its own, which ``gate_args`` proves on that split (transformers' default gate always takes the
+    with a gate of its own, which ``gate_epilogue`` proves on that split (transformers' default gate always takes the
     two halves, whatever the flag says)."""
     from transformers.integrations.moe import _default_apply_gate
 
@@ -168,21 +177,23 @@ def _number(value) -> float | None:
     return float(value) if ok else None
 
 
-def gate_args(module) -> tuple | None:
-    """The op's gate arguments for ``module._apply_gate``, proved on a probe; None when it is none of these:
+def gate_epilogue(module) -> Epilogue | None:
+    """The op's epilogue for ``module._apply_gate``, proved on a probe; None when it is none of these (each with
+    ``interleaved`` where gate and up rows alternate: ``_interleaved``):
 
-    - ``(L,)``: transformers' clamped SwiGLU, silu(gate.clamp(max=L)) * up.clamp(-L, L) (GLM-5-Next, HY-V4,
-      DeepSeek-V4: the bound in ``swiglu_limit`` or ``limit``);
-    - ``(L, a)``: the GPT-OSS-style gate after those clamps, gate * sigmoid(a * gate) * (up + 1)
-      (MiniMax-M3-VL: ``swiglu_alpha``; GPT-OSS: ``alpha``, on gate and up rows interleaved: ``_interleaved``);
-    - ``()``: plain silu(gate) * up, computed in fp32 and cast back (Beam), what the kernels compute anyway;
-    - ``(None, None, softcapped(Cg, Cu))``: Inkling 2's softcapped SwiGLU, Cg tanh(gate / Cg) * sigmoid(gate) *
-      Cu tanh(up / Cu) (the caps in ``act_fn.gate_softcap.softcap`` and ``act_fn.up_softcap.softcap``).
+    - ``Epilogue(swiglu_limit=L)``: transformers' clamped SwiGLU, silu(gate.clamp(max=L)) * up.clamp(-L, L)
+      (GLM-5-Next, HY-V4, DeepSeek-V4: the bound in ``swiglu_limit`` or ``limit``);
+    - ``Epilogue(swiglu_limit=L, glu_alpha=a)``: the GPT-OSS-style gate after those clamps,
+      gate * sigmoid(a * gate) * (up + 1) (MiniMax-M3-VL: ``swiglu_alpha``; GPT-OSS: ``alpha``);
+    - ``Epilogue()``: plain silu(gate) * up, computed in fp32 and cast back (Beam), what the kernels compute anyway;
+    - ``Epilogue("softcapped_silu", gate_cap=Cg, up_cap=Cu)``: Inkling 2's softcapped SwiGLU,
+      Cg tanh(gate / Cg) * sigmoid(gate) * Cu tanh(up / Cu) (the caps in ``act_fn.gate_softcap.softcap`` and
+      ``act_fn.up_softcap.softcap``).
 
     The probe has values past the bound; it runs once per class, gate function and constants (a re-bound
     gate is proved again). A gate that only looks like one of these does not pass.
     """
-    from ..reference import clamp_gate_up, glu, softcapped, split_gate_up
+    from ..reference import clamp_gate_up, glu, split_gate_up
 
     limit = _number(getattr(module, "swiglu_limit", None))
     limit = _number(getattr(module, "limit", None)) if limit is None else limit
@@ -205,21 +216,23 @@ def gate_args(module) -> tuple | None:
             got = module._apply_gate(probe)
         except Exception:  # a gate that cannot run on a float32 CPU probe is no proven match
             got = None
-        candidates = [((), glu(*split_gate_up(probe, interleaved), None))]
+        plain = Epilogue(interleaved=interleaved)
+        candidates = [(plain, glu(*split_gate_up(probe, interleaved), None))]
         if limit is not None:
             gate, up = clamp_gate_up(*split_gate_up(probe, interleaved), limit)
-            candidates += [((limit,), glu(gate, up, None))]
+            candidates += [(Epilogue(swiglu_limit=limit, interleaved=interleaved), glu(gate, up, None))]
             if alpha is not None:
-                candidates += [((limit, alpha), glu(gate, up, alpha))]
+                candidates += [(Epilogue(swiglu_limit=limit, glu_alpha=alpha, interleaved=interleaved),
+                                glu(gate, up, alpha))]
         if caps is not None:
-            candidates += [((None, None, softcapped(*caps)), glu(*split_gate_up(probe, interleaved), None,
-                                                                 softcapped(*caps)))]
+            capped = Epilogue("softcapped_silu", gate_cap=caps[0], up_cap=caps[1], interleaved=interleaved)
+            candidates += [(capped, glu(*split_gate_up(probe, interleaved), None, capped.kernel_activation))]
         _PROVEN_GATES[key] = None
-        for args, want in candidates:
+        for epilogue, want in candidates:
             if isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype and bool(
                 torch.allclose(got, want, rtol=1e-6, atol=1e-6)
             ):
-                _PROVEN_GATES[key] = args
+                _PROVEN_GATES[key] = epilogue
                 break
     return _PROVEN_GATES[key]
 
@@ -250,11 +263,10 @@ def moe_fuse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: tor
     biases = (self.gate_up_proj_bias, self.down_proj_bias) if getattr(self, "has_bias", False) else (None, None)
     # Keep h for the backward only when there will be one (the op's docstring says why).
     save_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*args, *biases))
-    gate = experts_gate_args(self)
-    if biases[0] is None and not _interleaved(self):
-        return torch.ops.moe_fuse.experts(*args, save_h, *gate)[0]
-    gate = (*gate, *(None, None, "silu")[len(gate):])  # swiglu_limit, glu_alpha, activation
-    return ops.experts_with_biases(*args, *biases, save_h, *gate, interleaved=_interleaved(self))
+    epilogue = experts_epilogue(self).encode()
+    if biases[0] is None and biases[1] is None:
+        return torch.ops.moe_fuse.experts(*args, save_h, epilogue)[0]
+    return ops.experts_with_biases(*args, *biases, save_h, epilogue)
 
 
 def register_experts_implementation(name: str = NAME) -> str:

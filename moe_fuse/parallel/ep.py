@@ -78,10 +78,11 @@ def _not_computed(module: torch.nn.Module) -> str | None:
     nothing."""
     if not hasattr(module, "has_gate"):  # not transformers' experts interface: the shape checks are all there is
         return None
-    from ..integrations.transformers import experts_gate_args, unsupported_reason
+    from ..integrations.transformers import experts_epilogue, unsupported_reason
+    from ..spec import Epilogue
 
     reason = unsupported_reason(module)
-    if reason is None and experts_gate_args(module):
+    if reason is None and experts_epilogue(module) != Epilogue():
         reason = "a clamped gate (swiglu_limit) or a gelu gate, which the expert-parallel path does not take yet"
     return reason
 

@@ -223,7 +223,7 @@ def chunked_backward(dy_sorted: Tensor, x_recv, saved, w_gate_up: Tensor, w_down
             ones = torch.ones(b - a, 1, dtype=weights_dtype, device=dy_sorted.device)
             dx_c, _, dgu_c, dd_c, _ = torch.ops.moe_fuse.experts_backward(
                 dy_recv[a:b], x_recv[a:b], p.local_ids[c], ones, w_gate_up[lo:hi], w_down[lo:hi], saved[c][0],
-                x_recv.new_empty((0, x_recv.shape[1])), saved[c][1], w_down.new_empty((0, w_down.shape[2])),
+                x_recv.new_empty((0, x_recv.shape[1])), saved[c][1], w_down.new_empty((0, w_down.shape[2])), "silu",
             )
             d_gate_up[lo:hi] = dgu_c
             d_down[lo:hi] = dd_c

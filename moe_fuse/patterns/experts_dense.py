@@ -34,8 +34,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
-from ..reference import softcaps
-from ..spec import ExpertsSpec
+from ..spec import Epilogue, ExpertsSpec
 from ..pipeline.candidate import Candidate, Pattern, Rejection
 from ..pipeline.graph import (
     NoMatch,
@@ -152,17 +151,19 @@ def _combined(down: fx.Node, E: int, T, H: int) -> fx.Node:
     return node
 
 
-def dense_as_routed(x, logits, w_gate_up, w_down, save_h, *gate, top_k: int, sorted: bool, upcast: bool,
+def dense_as_routed(x, logits, w_gate_up, w_down, save_h, *epilogue, top_k: int, sorted: bool, upcast: bool,
                     score_dtype: torch.dtype, row_dtype: torch.dtype, hidden: int):
     """The dense block on the T*k chosen rows: the same top-k and scores as the model's router, x * score per
     (token, slot), ``moe_fuse.experts`` with one slot per row and weights of one (exact), the k rows of a token
-    summed. The weights are stored [E, in, out]: the op reads their transposes (views). Traced by the rewrite."""
+    summed. The weights are stored [E, in, out]: the op reads their transposes (views). epilogue: the op's string,
+    absent for plain SwiGLU. Traced by the rewrite."""
     values, ids = torch.topk(logits, top_k, dim=-1, sorted=sorted)
     scores = torch.sigmoid(values.float() if upcast else values).to(score_dtype)
     rows = (x.unsqueeze(1) * scores.unsqueeze(-1)).reshape(-1, hidden)
     slots = ids.reshape(-1, 1)
     y = torch.ops.moe_fuse.experts.default(rows, slots, torch.ones_like(slots, dtype=row_dtype),
-                                           w_gate_up.transpose(-2, -1), w_down.transpose(-2, -1), save_h, *gate)[0]
+                                           w_gate_up.transpose(-2, -1), w_down.transpose(-2, -1), save_h,
+                                           *epilogue)[0]
     return y.view(-1, top_k, hidden).sum(dim=1)
 
 
@@ -200,8 +201,8 @@ def match(up_bmm: fx.Node) -> Candidate:
     if arg(chunk, 2, "dim", 0) not in (-1, 2):
         raise NoMatch("gate_up is not chunked over its last dim", chunk)
     gate, up, limit = match_swiglu_limit(getitem_user(chunk, 0), getitem_user(chunk, 1))
-    glu, alpha, activation = match_glu(gate, up)
-    if softcaps(activation) is not None:  # would need experts_grouped_mm's kernel path check; no model has it
+    glu, epilogue = match_glu(gate, up, swiglu_limit=limit)
+    if epilogue.softcaps is not None:  # would need experts_grouped_mm's kernel path check; no model has it
         raise NoMatch("the softcapped SwiGLU in dense experts (not fused)", glu)
     down_bmm = user_of(glu, "bmm")
     if len(down_bmm.args) != 2 or down_bmm.args[0] is not glu or down_bmm.kwargs:
@@ -217,19 +218,17 @@ def match(up_bmm: fx.Node) -> Candidate:
                       "expected one dtype", routed)
 
     spec = ExpertsSpec(num_experts=E, top_k=k, hidden=H, intermediate=two_i // 2, dtype=dtype,
-                       weights_dtype=dtype_of(scores), activation=activation, swiglu_limit=limit, glu_alpha=alpha)
+                       weights_dtype=dtype_of(scores), epilogue=epilogue)
     inputs = [x, logits, w_gate_up, w_down]
     save_h = torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False) for n in inputs)
-    gate_args = (limit, alpha, activation)
-    while gate_args and gate_args[-1] in (None, "silu"):  # only the arguments that differ from the op's defaults
-        gate_args = gate_args[:-1]
+    encoded = () if epilogue == Epilogue() else (epilogue.encode(),)  # the op's default left out
     return Candidate(
         pattern=NAME,
         spec=spec,
         region=collect_region(inputs, [out]),
         op=functools.partial(dense_as_routed, top_k=k, sorted=sorted_, upcast=upcast, score_dtype=dtype_of(scores),
                              row_dtype=dtype, hidden=H),
-        op_args=(*inputs, save_h, *gate_args),
+        op_args=(*inputs, save_h, *encoded),
         output_index=[None],
         input_kinds=["hidden", "hidden", "param", "param"],
         anchor=up_bmm,

@@ -23,7 +23,8 @@ Experts without a gate (transformers' ``has_gate=False``, Nemotron-H) run ``h = 
 
 Models that store their expert weights [E, in, out] (transformers' ``is_transposed``: Aria, GPT-OSS) pass
 W_gate_up and W_down to the GEMMs as they are, without the transposes; the op then reads their transposes
-(views). GPT-OSS's biases and interleaved gate/up rows go to ``ops.experts_with_biases``.
+(views). GPT-OSS's biases go to ``ops.experts_with_biases``; its interleaved gate/up rows are part of the op's
+epilogue (``spec.Epilogue``), as the activation and its constants are.
 
 Anchored on the first grouped GEMM. The walk reads every literal (k, E, the
 chunk, the view) from the graph and checks it against the tensor shapes; the
@@ -38,8 +39,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..reference import gated, softcapped, softcaps
-from ..spec import ExpertsSpec
+from ..spec import Epilogue, ExpertsSpec
 from ..pipeline.candidate import Candidate, Pattern, Rejection
 from ..pipeline.graph import (
     NoMatch,
@@ -221,14 +221,12 @@ def match(up_mm: fx.Node) -> Candidate:
     if any(is_op(u, "relu") for u in h.users):
         if gate_up_bias is not None:
             raise NoMatch("experts without a gate with a bias on the up projection (not fused yet)", up_mm)
-        glu, activation = match_ungated(h), "relu2"
-        swiglu_limit = glu_alpha = None
-        interleaved = False
+        glu, epilogue = match_ungated(h), Epilogue("relu2")
         I = two_i
     else:
         gate, up, interleaved = _gate_up_split(h)
         gate, up, swiglu_limit = match_swiglu_limit(gate, up)
-        glu, glu_alpha, activation = match_glu(gate, up)
+        glu, epilogue = match_glu(gate, up, swiglu_limit=swiglu_limit, interleaved=interleaved)
         I = two_i // 2
     down_mm = glu
     while not is_op(down_mm, "grouped_mm"):
@@ -276,25 +274,24 @@ def match(up_mm: fx.Node) -> Candidate:
         dtype=dtype_of(x),
         weights_dtype=dtype_of(weights),
         expert_parallel_sentinels=mask is not None or mask2 is not None,
-        swiglu_limit=swiglu_limit,
-        glu_alpha=glu_alpha,
-        activation=activation,
-        layout="up_only" if activation == "relu2" else "gate_up_interleaved" if interleaved else "gate_up_concat",
+        epilogue=epilogue,
+        layout="up_only" if not epilogue.gated else "gate_up_interleaved" if epilogue.interleaved
+        else "gate_up_concat",
         gate_up_bias=gate_up_bias is not None,
         down_bias=down_bias is not None,
     )
-    if gate_up_bias is not None or down_bias is not None or interleaved or activation == "relu2" \
-            or softcaps(activation) is not None:
-        _check_kernel_path(x, w_gate_up, w_down, stored_transposed, activation, up_mm)
+    if gate_up_bias is not None or down_bias is not None or epilogue.interleaved or not epilogue.gated \
+            or epilogue.softcaps is not None:
+        _check_kernel_path(x, w_gate_up, w_down, stored_transposed, epilogue, up_mm)
     notes = ["expert weights stored [E, in, out]: the op reads transposed views (no copy)"] if stored_transposed else []
-    if interleaved:
+    if epilogue.interleaved:
         notes.append("gate and up are the even and odd columns of the gate_up output (the kernels read them so)")
     if gate_up_bias is not None or down_bias is not None:
         notes.append("expert biases: gate_up's added inside the SwiGLU passes, down's as a routing-weighted "
                      "[T, E] x [E, H] GEMM added to the output")
-    if gate_up_bias is not None or down_bias is not None or interleaved:
+    if gate_up_bias is not None or down_bias is not None:
         return biased_experts_candidate(spec, (x, ids, weights, w_gate_up, w_down), gate_up_bias, down_bias, out,
-                                        up_mm, notes, stored_transposed, interleaved)
+                                        up_mm, notes, stored_transposed)
     return experts_candidate(NAME, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm, notes,
                              stored_transposed=stored_transposed)
 
@@ -310,7 +307,7 @@ def _normalized(rows: fx.Node, hops: int = 10) -> bool:
     return False
 
 
-def _check_kernel_path(x, w_gate_up, w_down, stored_transposed: bool, activation: str, where):
+def _check_kernel_path(x, w_gate_up, w_down, stored_transposed: bool, epilogue: Epilogue, where):
     """Expert biases, interleaved gate/up rows, experts without a gate and the softcapped SwiGLU run fused only on
     the kernels' grouped_mm path (CUDA sm90+, bf16); elsewhere on a GPU the op would run its reference, a Python loop
     over the experts slower than the graph it replaces: no match there. (On the CPU the reference is what every op
@@ -325,8 +322,8 @@ def _check_kernel_path(x, w_gate_up, w_down, stored_transposed: bool, activation
     if stored_transposed:
         gu_v, d_v = gu_v.transpose(-2, -1), d_v.transpose(-2, -1)
     if not grouped_mm_applies(x_v, gu_v, d_v):
-        what = "experts without a gate" if not gated(activation) else "the softcapped SwiGLU" \
-            if softcaps(activation) is not None else "expert biases or interleaved gate/up rows"
+        what = "experts without a gate" if not epilogue.gated else "the softcapped SwiGLU" \
+            if epilogue.softcaps is not None else "expert biases or interleaved gate/up rows"
         raise NoMatch(f"{what} run fused on CUDA sm90+ in bf16 only (the grouped_mm path); here the op would run its "
                       "reference loop over the experts, slower than this graph", where)
 
@@ -352,11 +349,11 @@ def _literal(node: fx.Node):
     return float(numbers[0]) if len(numbers) == 1 and len(node.args) == 2 else None
 
 
-def match_glu(gate: fx.Node, up: fx.Node):
-    """The gated activation after the chunk (and clamps) -> (its node, glu_alpha, activation):
-    ``silu(gate) * up`` -> (node, None, "silu"); the GPT-OSS-style gate of MiniMax-M3-VL
-    ``(up + 1) * (gate * sigmoid(gate * a))`` -> (node, a, "silu"); GeGLU (Gemma 4)
-    ``gelu(gate, approximate="tanh") * up`` -> (node, None, "gelu_tanh")."""
+def match_glu(gate: fx.Node, up: fx.Node, **gate_options) -> tuple[fx.Node, Epilogue]:
+    """The gated activation after the chunk (and clamps) -> (its node, its Epilogue with ``gate_options``:
+    the swiglu_limit and interleaved the walk read before): ``silu(gate) * up`` -> "silu"; the GPT-OSS-style gate
+    of MiniMax-M3-VL ``(up + 1) * (gate * sigmoid(gate * a))`` -> "silu" with glu_alpha a; GeGLU (Gemma 4)
+    ``gelu(gate, approximate="tanh") * up`` -> "gelu_tanh"; ``_match_softcapped``'s."""
     if any(is_op(u, "gelu") for u in gate.users):
         act = user_of(gate, "gelu")
         approximate = arg(act, 1, "approximate", "none")
@@ -365,7 +362,7 @@ def match_glu(gate: fx.Node, up: fx.Node):
         glu = user_of(act, "mul")
         if set(glu.args) != {act, up}:
             raise NoMatch("gated activation is not gelu(gate, approximate='tanh') * up", glu)
-        return glu, None, "gelu_tanh"
+        return glu, _epilogue(glu, "gelu_tanh", **gate_options)
     if not any(is_op(u, "silu") for u in gate.users) and any(is_op(u, "mul") for u in gate.users):
         scaled = [u for u in gate.users if is_op(u, "mul") and _literal(u) is not None]
         if len(scaled) != 1:
@@ -381,20 +378,28 @@ def match_glu(gate: fx.Node, up: fx.Node):
         glu = user_of(act, "mul")
         if set(glu.args) != {act, plus}:
             raise NoMatch("gated activation is not (up + 1) * (gate * sigmoid(gate * alpha))", glu)
-        return glu, alpha, "silu"
+        return glu, _epilogue(glu, "silu", glu_alpha=alpha, **gate_options)
     gate, up = _through_upcast(gate), _through_upcast(up)  # Beam: silu(gate.float()) * up.float(), cast back
     if any(is_op(u, "truediv") for u in gate.users):
-        return _match_softcapped(gate, up)
+        return _match_softcapped(gate, up, **gate_options)
     act = user_of(gate, "silu")
     glu = user_of(act, "mul")
     if set(glu.args) != {act, up}:
         raise NoMatch("gated activation is not silu(gate) * up", glu)
-    return glu, None, "silu"
+    return glu, _epilogue(glu, "silu", **gate_options)
 
 
-def _match_softcapped(gate: fx.Node, up: fx.Node):
+def _epilogue(node: fx.Node, activation: str, **options) -> Epilogue:
+    """``Epilogue(activation, **options)``; values it refuses (a gate constant that is not finite) are no match."""
+    try:
+        return Epilogue(activation, **options)
+    except ValueError as e:
+        raise NoMatch(f"the gated activation's constants: {e}", node) from None
+
+
+def _match_softcapped(gate: fx.Node, up: fx.Node, **gate_options):
     """Inkling 2's softcapped SwiGLU, ``softcap(gate, Cg) * sigmoid(gate) * softcap(up, Cu)`` ->
-    (node, None, ``reference.softcapped(Cg, Cu)``). The kernels compute it in fp32, as the model does."""
+    (node, "softcapped_silu" with gate_cap Cg and up_cap Cu). The kernels compute it in fp32, as the model does."""
     gate_capped, gate_cap = _softcap(gate)
     sig = user_of(gate, "sigmoid")
     act = user_of(gate_capped, "mul")
@@ -404,7 +409,7 @@ def _match_softcapped(gate: fx.Node, up: fx.Node):
     glu = user_of(act, "mul")
     if set(glu.args) != {act, up_capped}:
         raise NoMatch("gated activation is not softcap(gate) * sigmoid(gate) * softcap(up)", glu)
-    return glu, None, softcapped(gate_cap, up_cap)
+    return glu, _epilogue(glu, "softcapped_silu", gate_cap=gate_cap, up_cap=up_cap, **gate_options)
 
 
 def _softcap(v: fx.Node):
@@ -472,22 +477,20 @@ def experts_from_transposed(x, ids, weights, w_gate_up, w_down, *rest):
                                               *rest)
 
 
-def experts_with_biases(x, ids, weights, w_gate_up, w_down, gate_up_bias, down_bias, save_h, swiglu_limit, glu_alpha,
-                        activation, *, stored_transposed: bool, interleaved: bool, num_experts: int,
-                        dtype: torch.dtype):
+def experts_with_biases(x, ids, weights, w_gate_up, w_down, gate_up_bias, down_bias, save_h, epilogue: str, *,
+                        stored_transposed: bool, num_experts: int, dtype: torch.dtype):
     """``ops.experts_with_biases`` of the matched block (transposed views of weights stored [E, in, out]), with the
     shapes and dtype the match read (no Python-level checks on fx proxies). Traced into the graph by the rewrite."""
     if stored_transposed:
         w_gate_up, w_down = w_gate_up.transpose(-2, -1), w_down.transpose(-2, -1)
-    y = torch.ops.moe_fuse.experts.default(x, ids, weights, w_gate_up, w_down, save_h, swiglu_limit, glu_alpha,
-                                           activation, gate_up_bias, interleaved)[0]
+    y = torch.ops.moe_fuse.experts.default(x, ids, weights, w_gate_up, w_down, save_h, epilogue, gate_up_bias)[0]
     return y if down_bias is None else ops.add_down_bias(y, ids, weights, down_bias, num_experts, dtype)
 
 
 def biased_experts_candidate(spec: ExpertsSpec, inputs, gate_up_bias, down_bias, out: fx.Node, anchor: fx.Node, notes,
-                             stored_transposed: bool, interleaved: bool) -> Candidate:
-    """``experts_candidate`` for blocks with expert biases or interleaved gate/up rows (GPT-OSS): the biases
-    are region inputs too, passed as None where absent."""
+                             stored_transposed: bool) -> Candidate:
+    """``experts_candidate`` for blocks with expert biases (GPT-OSS): the biases are region inputs too, passed as
+    None where absent."""
     biases = [b for b in (gate_up_bias, down_bias) if b is not None]
     save_h = torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False)
                                              for n in (*inputs, *biases))
@@ -495,9 +498,9 @@ def biased_experts_candidate(spec: ExpertsSpec, inputs, gate_up_bias, down_bias,
         pattern=NAME,
         spec=spec,
         region=collect_region([*inputs, *biases], [out]),
-        op=functools.partial(experts_with_biases, stored_transposed=stored_transposed, interleaved=interleaved,
-                             num_experts=spec.num_experts, dtype=spec.dtype),
-        op_args=(*inputs, gate_up_bias, down_bias, save_h, spec.swiglu_limit, spec.glu_alpha, spec.activation),
+        op=functools.partial(experts_with_biases, stored_transposed=stored_transposed, num_experts=spec.num_experts,
+                             dtype=spec.dtype),
+        op_args=(*inputs, gate_up_bias, down_bias, save_h, spec.epilogue.encode()),
         output_index=[None],
         input_kinds=["hidden", "expert_ids", "routing_weights", "param", "param"] + ["param"] * len(biases),
         anchor=anchor,
@@ -512,19 +515,17 @@ def experts_candidate(pattern: str, spec: ExpertsSpec, inputs, out: fx.Node, anc
     (``experts_from_transposed`` for weights stored [E, in, out]).
 
     The call keeps h for the backward (its sixth argument, ``save_h``) when the graph is traced for training,
-    as AOTAutograd decides it: grad mode on and an input that requires grad. The spec's gate (swiglu_limit,
-    glu_alpha, activation) follows it when there is one. Shared by the experts patterns.
+    as AOTAutograd decides it: grad mode on and an input that requires grad. The spec's epilogue follows it
+    unless it is the op's default (plain SwiGLU). Shared by the experts patterns.
     """
     save_h = torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False) for n in inputs)
-    gate = (getattr(spec, "swiglu_limit", None), getattr(spec, "glu_alpha", None), getattr(spec, "activation", "silu"))
-    while gate and gate[-1] in (None, "silu"):  # only the arguments that differ from the op's defaults
-        gate = gate[:-1]
+    epilogue = () if spec.epilogue == Epilogue() else (spec.epilogue.encode(),)
     return Candidate(
         pattern=pattern,
         spec=spec,
         region=collect_region(list(inputs), [out]),
         op=experts_from_transposed if stored_transposed else torch.ops.moe_fuse.experts.default,
-        op_args=(*inputs, save_h, *gate),
+        op_args=(*inputs, save_h, *epilogue),
         output_index=[0],
         input_kinds=["hidden", "expert_ids", "routing_weights", "param", "param"],
         anchor=anchor,

@@ -86,5 +86,5 @@ def test_op_on_cuda_agrees_with_its_fake():
     for save_h in (False, True):
         opcheck(torch.ops.moe_fuse.experts.default, (req(x), ids, req(w), req(wgu), req(wd), save_h))
     _, h, xs, routing, aw = torch.ops.moe_fuse.experts(x, ids, w, wgu, wd, True)
-    opcheck(torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, w, wgu, wd, h, xs, routing, aw))
+    opcheck(torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, w, wgu, wd, h, xs, routing, aw, "silu"))
     assert h.shape[0] == ids.numel() and routing.numel() > 0 and (xs.numel() > 0) == (aw.numel() > 0)

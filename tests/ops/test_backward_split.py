@@ -19,6 +19,7 @@ from test_keep_rows import on_grouped_mm_path  # noqa: E402, F401  (fixture)
 from moe_fuse import config, dispatch  # noqa: E402
 from moe_fuse import kernels, ops  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
+from moe_fuse.spec import Epilogue  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -63,9 +64,10 @@ def test_two_ops_with_the_other_gates(gate, on_grouped_mm_path, monkeypatch):  #
     op), clamped SwiGLU with the alpha gate: the two ops give the single op's bits."""
     T, k, E, H, I = 24, 2, 4, 32, 16
     x, ids, weights, w_gate_up, w_down = make_case(T, k, E, H, I, torch.float32, "skewed", seed=16)
-    kw = {"relu2": {"activation": "relu2"},
-          "bias_interleaved": {"gate_up_bias": torch.randn(E, 2 * I).to(DEVICE), "interleaved": True},
-          "limit_alpha": {"swiglu_limit": 1.0, "glu_alpha": 1.702}}[gate]
+    kw = {"relu2": {"epilogue": "relu2"},
+          "bias_interleaved": {"gate_up_bias": torch.randn(E, 2 * I).to(DEVICE),
+                               "epilogue": Epilogue(interleaved=True).encode()},
+          "limit_alpha": {"epilogue": Epilogue(swiglu_limit=1.0, glu_alpha=1.702).encode()}}[gate]
     if gate == "relu2":
         w_gate_up = w_gate_up[:, :I].contiguous()  # the up projection [E, I, H]
     args = (x, ids, weights, w_gate_up, w_down)
@@ -100,7 +102,7 @@ def test_opcheck(on_grouped_mm_path):  # noqa: F811
     x, ids, weights, w_gate_up, w_down = args
     _, h, xs, routing, aw = torch.ops.moe_fuse.experts(*args, True)
     dy = torch.randn(T, H).to(DEVICE)
-    down = (dy, x, ids, weights, w_gate_up, w_down, h, routing, aw)
+    down = (dy, x, ids, weights, w_gate_up, w_down, h, routing, aw, "silu")
     tests = ("test_schema", "test_faketensor")
     opcheck(torch.ops.moe_fuse.experts_backward_down.default, down, test_utils=tests)
     dh = torch.ops.moe_fuse.experts_backward_down(*down)[0]
@@ -121,7 +123,7 @@ def test_the_halves_refuse_other_paths():
     with pytest.raises(RuntimeError, match="moe_fuse.experts_backward_down: a half of experts_backward on the "
                                            "grouped_mm path only .* call moe_fuse.experts_backward"):
         torch.ops.moe_fuse.experts_backward_down(torch.randn(T, H).to(DEVICE), x, ids, weights, w_gate_up, w_down, h,
-                                                 routing, torch.zeros(0, I).to(DEVICE))
+                                                 routing, torch.zeros(0, I).to(DEVICE), "silu")
     with pytest.raises(RuntimeError, match="moe_fuse.experts_backward_gate_up: a half"):
         torch.ops.moe_fuse.experts_backward_gate_up(h, x, ids, w_gate_up, w_down, routing)
     with pytest.raises(RuntimeError, match="moe_fuse.experts_backward_weight_gate_up: a half"):

@@ -28,8 +28,10 @@ from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
 from moe_fuse import kernels, ops, reference  # noqa: E402
 from moe_fuse.kernels import backward, grouped_mm_path  # noqa: E402
 from moe_fuse.kernels.routing import route  # noqa: E402
+from moe_fuse.spec import Epilogue  # noqa: E402
 
 LIMIT, ALPHA = 7.0, 1.702  # GPT-OSS's
+GPT_OSS = Epilogue(swiglu_limit=LIMIT, glu_alpha=ALPHA, interleaved=True)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 NAMES = ("dx", "d_weights", "d_w_gate_up", "d_w_down", "d_gate_up_bias")
 
@@ -68,8 +70,7 @@ def test_op_matches_naive_definition_and_its_autograd(save_h, which):
     b_d = b_d if which in ("both", "down") else None
     w_gate_up = w_gate_up * 4  # |h| up to ~10: both clamps at 7 are active
     leaves = [t.requires_grad_() for t in (x, weights, w_gate_up, w_down, *(b for b in (b_gu, b_d) if b is not None))]
-    got = ops.experts_with_biases(x, ids, weights, w_gate_up, w_down, b_gu, b_d, save_h, LIMIT, ALPHA,
-                                  interleaved=True)
+    got = ops.experts_with_biases(x, ids, weights, w_gate_up, w_down, b_gu, b_d, save_h, GPT_OSS)
     want = naive_experts(x, ids, weights, w_gate_up, w_down, b_gu, b_d, LIMIT, ALPHA)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     # each of the bias and the interleaving changes the result: the test can fail
@@ -86,7 +87,7 @@ def test_bad_biases_are_named():
     x, ids, weights, w_gate_up, w_down = random_case()
     E, two_i, H = w_gate_up.shape
     with pytest.raises(ValueError, match=r"gate_up_bias must be a float \[E=5, 2I=20\] tensor, got \(5, 10\)"):
-        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, None, None, "silu",
+        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, "silu",
                                    torch.zeros(E, two_i // 2, dtype=x.dtype))
     with pytest.raises(ValueError, match=r"down_bias must be \[E=5, H=12\], got \(5, 20\)"):
         ops.experts_with_biases(x, ids, weights, w_gate_up, w_down, None, torch.zeros(E, two_i, dtype=x.dtype))
@@ -196,7 +197,8 @@ def test_gpt_oss_is_fused_with_its_biases_and_interleaved_rows(tmp_path):
         assert (m["layout"], m["gate_up_bias"], m["down_bias"], m["swiglu_limit"], m["glu_alpha"]) == (
             "gate_up_interleaved", True, True, 7.0, 1.702), m
     after = "".join(p.read_text() for p in tmp_path.glob("graph_*/after.py"))
-    assert after.count("torch.ops.moe_fuse.experts.default(") == 2 and ", True)" in after
+    assert after.count("torch.ops.moe_fuse.experts.default(") == 2
+    assert after.count(", True, 'silu(swiglu_limit=7.0, glu_alpha=1.702, interleaved=True)', ") == 2
     assert "scatter_add" in after  # the down bias's routing-weighted GEMM
     pairs = [("loss", fused[0], eager[0]), ("output", fused[1], eager[1])]
     pairs += [(f"grad {n}", fused[3][n], g) for n, g in eager[3].items()]
@@ -227,7 +229,7 @@ def test_an_add_that_is_not_a_bias_is_left_alone(tmp_path, monkeypatch):
 
 def test_eager_interface_runs_gpt_oss_experts_as_the_op(recwarn):
     import moe_fuse
-    from moe_fuse.integrations.transformers import gate_args, unsupported_reason
+    from moe_fuse.integrations.transformers import gate_epilogue, unsupported_reason
 
     model, inputs = families.build("gpt_oss")
     eager = families.loss_and_grads(model, inputs)
@@ -236,7 +238,7 @@ def test_eager_interface_runs_gpt_oss_experts_as_the_op(recwarn):
     moe_fuse.register_experts_implementation()
     model.set_experts_implementation("moe_fuse")
     experts = [m for m in model.modules() if type(m).__name__ == "GptOssExperts"]
-    assert experts and all(unsupported_reason(m) is None and gate_args(m) == (LIMIT, ALPHA) for m in experts)
+    assert experts and all(unsupported_reason(m) is None and gate_epilogue(m) == GPT_OSS for m in experts)
     try:
         ops.experts_with_biases = lambda *a, **kw: calls.append(1) or real(*a, **kw)
         fused = families.loss_and_grads(model, inputs)
@@ -258,10 +260,11 @@ def test_opcheck_with_a_gate_up_bias():
     req = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
     for save_h in (False, True):
         opcheck(torch.ops.moe_fuse.experts.default, (req(x), ids, req(weights), req(w_gate_up), req(w_down), save_h,
-                                                      LIMIT, ALPHA, "silu", req(b_gu), True))
+                                                      GPT_OSS.encode(), req(b_gu)))
     _, h, xs, routing, aw = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, True)
     dy = torch.randn_like(x)
-    args = (dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw, None, None, "silu")
-    opcheck(torch.ops.moe_fuse.experts_backward.default, (*args, b_gu, True))
-    assert torch.ops.moe_fuse.experts_backward(*args, b_gu, True)[4].shape == b_gu.shape
-    assert torch.ops.moe_fuse.experts_backward(*args)[4].numel() == 0
+    args = (dy, x, ids, weights, w_gate_up, w_down, h, xs, routing, aw)
+    interleaved = Epilogue(interleaved=True).encode()
+    opcheck(torch.ops.moe_fuse.experts_backward.default, (*args, interleaved, b_gu))
+    assert torch.ops.moe_fuse.experts_backward(*args, interleaved, b_gu)[4].shape == b_gu.shape
+    assert torch.ops.moe_fuse.experts_backward(*args, "silu")[4].numel() == 0

@@ -28,10 +28,11 @@ import moe_fuse.ops  # noqa: E402,F401
 from moe_fuse import config, dispatch  # noqa: E402
 from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
 from moe_fuse import kernels, reference  # noqa: E402
-from moe_fuse.integrations.transformers import activation_of, experts_gate_args, unsupported_reason  # noqa: E402
+from moe_fuse.integrations.transformers import activation_of, experts_epilogue, unsupported_reason  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
+from moe_fuse.spec import Epilogue  # noqa: E402
 
-GELU = (None, None, "gelu_tanh")  # the op's arguments after save_h: swiglu_limit, glu_alpha, activation
+GELU = Epilogue("gelu_tanh")
 
 
 def geglu(gate, up):
@@ -44,10 +45,12 @@ def test_op_matches_geglu_definition_and_its_autograd(save_h, limit):
     x, ids, weights, w_gate_up, w_down = random_case(k=2)
     w_gate_up = w_gate_up * 2  # gates of about N(0, 4): gelu's curved part and both tails
     leaves = [t.requires_grad_() for t in (x, weights, w_gate_up, w_down)]
-    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, limit, None, "gelu_tanh")[0]
+    geglu_epilogue = Epilogue("gelu_tanh", swiglu_limit=limit).encode()
+    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, geglu_epilogue)[0]
     want = naive_experts(x, ids, weights, w_gate_up, w_down, limit, glu=geglu)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    silu = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, limit)[0]
+    silu = Epilogue(swiglu_limit=limit).encode()
+    silu = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, silu)[0]
     assert (silu - want).abs().max() > 0.1  # the activation changed the result: the test can fail
     dy = torch.randn_like(want)
     for g_got, g_want in zip(torch.autograd.grad(got, leaves, dy), torch.autograd.grad(want, leaves, dy)):
@@ -57,9 +60,12 @@ def test_op_matches_geglu_definition_and_its_autograd(save_h, limit):
 def test_bad_activation_arguments_are_named():
     x, ids, weights, w_gate_up, w_down = random_case()
     with pytest.raises(ValueError, match=r"activation must be one of silu, gelu_tanh, relu2 or .*, got 'gelu'"):
-        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, None, None, "gelu")
+        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, "gelu")
     with pytest.raises(ValueError, match="glu_alpha is a gate of its own; it does not combine with 'gelu_tanh'"):
-        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, None, 1.702, "gelu_tanh")
+        Epilogue("gelu_tanh", glu_alpha=1.702)
+    with pytest.raises(ValueError, match="moe_fuse.experts: .*glu_alpha is a gate of its own; it does not combine "
+                                         "with 'gelu_tanh'"):
+        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, "gelu_tanh(glu_alpha=1.702)")
 
 
 def ref64(args, dtype, dy=None):
@@ -116,10 +122,10 @@ def test_gemma4_experts_are_fused_with_the_gelu_gate(tmp_path):
     matches = experts_entries(reports, "matches")
     assert len(matches) == 2 and all(m["activation"] == "gelu_tanh" for m in matches), matches
     after = "".join(p.read_text() for p in tmp_path.glob("graph_*/after.py"))
-    assert "torch.ops.moe_fuse.experts.default(" in after and "None, None, 'gelu_tanh')" in after
+    assert "torch.ops.moe_fuse.experts.default(" in after and ", True, 'gelu_tanh')" in after
     assert_same_step(eager, fused, output=True)
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    assert experts and all(experts_gate_args(m) == GELU and unsupported_reason(m) is None for m in experts)
+    assert experts and all(experts_epilogue(m) == GELU and unsupported_reason(m) is None for m in experts)
 
 
 def test_exact_gelu_is_left_alone_with_its_reason(tmp_path):

@@ -90,7 +90,7 @@ def test_experts_of_weights_stored_transposed(dtype):
             assert g.is_contiguous(), name  # [E, in, out], as stored
             g = g.transpose(1, 2)
         torch.testing.assert_close(g, r, **tol, msg=name)
-    args = [t.detach() for t in (dy, x, ids, weights, *views, *got[1:])]
+    args = [*(t.detach() for t in (dy, x, ids, weights, *views, *got[1:])), "silu"]
     d_wgu, d_wd = torch.ops.moe_fuse.experts_backward(*args)[2:4]
     assert d_wgu.stride() == views[0].stride() and d_wd.stride() == views[1].stride()
     opcheck(torch.ops.moe_fuse.experts_backward.default, tuple(args))
@@ -164,9 +164,8 @@ def test_opcheck(dtype):
     dy = torch.randn_like(x)
     _, h, xs, routing, aw = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, True)
     for saved in (h, h[:0]):
-        opcheck(
-            torch.ops.moe_fuse.experts_backward.default, (dy, x, ids, weights, w_gate_up, w_down, saved, xs, routing, aw)
-        )
+        args = (dy, x, ids, weights, w_gate_up, w_down, saved, xs, routing, aw, "silu")
+        opcheck(torch.ops.moe_fuse.experts_backward.default, args)
     w_router = torch.randn(5, x.shape[1], dtype=dtype)
     opcheck(torch.ops.moe_fuse.router.default, (req(x), req(w_router), 2, True, dtype))
     logits, _, r_ids = torch.ops.moe_fuse.router(x, w_router, 2, True, dtype)
@@ -183,6 +182,45 @@ def test_bad_shapes_are_named():
         torch.ops.moe_fuse.experts(x, ids, weights[:, [0, 1, 1]], w_gate_up, w_down)
     with pytest.raises(ValueError, match="gate_up \\[E, 2I, H\\] and down \\[E, H, I\\]"):
         torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down.transpose(1, 2))
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_an_epilogue_string_that_is_none_is_named(fake):
+    """The op decodes its epilogue string (spec.Epilogue): what is not one is a ValueError naming the op and the
+    string, in the real and the fake implementation alike, in the forward and the backward ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = random_case()
+    x, ids, weights, w_gate_up, w_down = args
+    _, h, xs, routing, aw = torch.ops.moe_fuse.experts(*args, True)
+    backward = (torch.randn_like(x), *args, h, xs, routing, aw)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.autograd.grad_mode.no_grad()
+    with mode:
+        with pytest.raises(ValueError, match=r"moe_fuse.experts: epilogue 'silu\(' is not an Epilogue encoding"):
+            torch.ops.moe_fuse.experts(*args, False, "silu(")
+        with pytest.raises(ValueError, match=r"moe_fuse.experts: epilogue 'silu\(swiglu_limit=7\)' is not in "
+                                             r"canonical form; it is written 'silu\(swiglu_limit=7.0\)'"):
+            torch.ops.moe_fuse.experts(*args, True, "silu(swiglu_limit=7)")
+        with pytest.raises(ValueError, match=r"moe_fuse.experts_backward: epilogue 'swiglu': activation must be one"):
+            torch.ops.moe_fuse.experts_backward(*backward, "swiglu")
+        with pytest.raises(ValueError, match=r"moe_fuse.experts_backward_down: epilogue 'silu\(limit=1.0\)': "):
+            torch.ops.moe_fuse.experts_backward_down(*backward[:7], routing, aw, "silu(limit=1.0)")
+        y = torch.ops.moe_fuse.experts(*args, False, "silu(swiglu_limit=7.0)")[0]  # a canonical one runs
+        assert y.shape == x.shape
+
+
+def test_the_epilogue_reaches_the_reference():
+    """Each field of the op's epilogue string changes the result as the reference's keyword arguments do."""
+    from moe_fuse import reference
+    from moe_fuse.spec import Epilogue
+
+    args = random_case(k=2)
+    for epilogue in (Epilogue(), Epilogue(swiglu_limit=0.5, glu_alpha=1.702, interleaved=True),
+                     Epilogue("gelu_tanh", interleaved=True), Epilogue("softcapped_silu", 0.5, 0.8, swiglu_limit=1.0)):
+        got = torch.ops.moe_fuse.experts(*args, False, epilogue.encode())[0]
+        want = reference.experts_forward(*args, **epilogue.kernel_kwargs())
+        assert torch.equal(got, want), epilogue
+        assert epilogue == Epilogue() or (got - torch.ops.moe_fuse.experts(*args)[0]).abs().max() > 1e-3
 
 
 def test_weight_layout_strides_are_torchs_rule():

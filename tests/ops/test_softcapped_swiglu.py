@@ -29,15 +29,17 @@ import moe_fuse.ops  # noqa: E402,F401
 from moe_fuse import config, dispatch  # noqa: E402
 from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
 from moe_fuse import kernels, reference  # noqa: E402
-from moe_fuse.integrations.transformers import experts_gate_args, unsupported_reason  # noqa: E402
+from moe_fuse.integrations.transformers import experts_epilogue, unsupported_reason  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
 from moe_fuse.kernels.routing import route  # noqa: E402
+from moe_fuse.spec import Epilogue  # noqa: E402
 
 # Caps small against h ~ N(0, 1) (the kernel cases), so that both tanh bend: gate / 0.5 crosses the series'
 # bound |v| = 1/4 at |gate| = 1/8, so both forms of the kernels' tanh are used too.
 CAPS = (0.5, 0.8)
-SOFTCAPPED = reference.softcapped(*CAPS)
-INKLING2 = reference.softcapped(4.0, 25.0)  # the config's defaults
+SOFTCAPPED = reference.softcapped(*CAPS)  # the kernels' activation argument
+EPILOGUE = Epilogue("softcapped_silu", *CAPS)  # the op's
+INKLING2 = Epilogue("softcapped_silu", 4.0, 25.0)  # the config's defaults
 
 
 def softcapped_glu64(gate, up, caps=CAPS):
@@ -51,6 +53,8 @@ def test_the_activation_names_its_caps():
     assert reference.parse_activation(reference.softcapped(1 / 3, 25)) == ("softcapped_silu", (1 / 3, 25.0))
     assert reference.softcaps("silu") is None and reference.gated(SOFTCAPPED)
     assert reference.parse_activation("softcapped_silu( 4,25 )") == ("softcapped_silu", (4.0, 25.0))
+    assert EPILOGUE.encode() == "softcapped_silu(gate_cap=0.5, up_cap=0.8)" and EPILOGUE.softcaps == CAPS
+    assert EPILOGUE.kernel_activation == SOFTCAPPED and Epilogue.from_kernel_args(activation=SOFTCAPPED) == EPILOGUE
 
 
 @pytest.mark.parametrize("limit", [None, LIMIT], ids=["plain", "clamped"])
@@ -59,10 +63,12 @@ def test_op_matches_softcapped_definition_and_its_autograd(save_h, limit):
     x, ids, weights, w_gate_up, w_down = random_case(k=2)
     w_gate_up = w_gate_up * 2  # h of about N(0, 4): well into both tanh's bends
     leaves = [t.requires_grad_() for t in (x, weights, w_gate_up, w_down)]
-    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, limit, None, SOFTCAPPED)[0]
+    capped = Epilogue("softcapped_silu", *CAPS, swiglu_limit=limit).encode()
+    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, capped)[0]
     want = naive_experts(x, ids, weights, w_gate_up, w_down, limit, glu=softcapped_glu64)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    silu = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, limit)[0]
+    silu = Epilogue(swiglu_limit=limit).encode()
+    silu = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, silu)[0]
     assert (silu - want).abs().max() > 0.1  # the caps changed the result: the test can fail
     dy = torch.randn_like(want)
     for g_got, g_want in zip(torch.autograd.grad(got, leaves, dy), torch.autograd.grad(want, leaves, dy)):
@@ -70,26 +76,33 @@ def test_op_matches_softcapped_definition_and_its_autograd(save_h, limit):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ("softcapped_silu(0.0, 25.0)", "the softcaps must be positive finite numbers"),
-    ("softcapped_silu(4.0, inf)", "the softcaps must be positive finite numbers"),
-    ("softcapped_silu(four, 25.0)", "the softcaps must be positive finite numbers"),
-    ("softcapped_silu(4.0; 25.0)", r"activation must be one of silu, gelu_tanh, relu2 or softcapped_silu\(gate_cap, "
-                                   r"up_cap\) \(reference.softcapped\), got 'softcapped_silu\(4.0; 25.0\)'"),
-    ("softcapped_silu", "activation must be one of"),
-    ("gelu", "activation must be one of .*, got 'gelu'"),
+    ("softcapped_silu(gate_cap=0.0, up_cap=25.0)", "the caps must be positive finite numbers, got 0.0, 25.0"),
+    ("softcapped_silu(gate_cap=4.0, up_cap=inf)", "the caps must be positive finite numbers, got 4.0, inf"),
+    ("softcapped_silu(gate_cap=four, up_cap=25.0)", "gate_cap=four is not a number"),
+    ("softcapped_silu(gate_cap=4.0; up_cap=25.0)", "gate_cap=4.0; up_cap=25.0 is not a number"),
+    ("softcapped_silu(4.0, 25.0)", r"'4.0' is not one of the fields"),  # the kernels' spelling is not the op's
+    ("softcapped_silu", "the caps must be positive finite numbers, got None, None"),
+    ("gelu", r"activation must be one of silu, gelu_tanh, relu2 or softcapped_silu \(with gate_cap and up_cap\), "
+             "got 'gelu'"),
 ])
 def test_bad_activations_are_named(bad, message):
     x, ids, weights, w_gate_up, w_down = random_case()
-    with pytest.raises(ValueError, match=f"moe_fuse.experts: .*{message}"):
-        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, None, None, bad)
+    with pytest.raises(ValueError, match=f"moe_fuse.experts: epilogue .*{message}"):
+        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, bad)
 
 
 def test_bad_caps_and_gate_combinations_are_named():
     with pytest.raises(ValueError, match="the caps must be positive finite numbers, got -1, 2"):
         reference.softcapped(-1, 2)
-    x, ids, weights, w_gate_up, w_down = random_case()
+    with pytest.raises(ValueError, match="the caps must be positive finite numbers, got -1.0, 2.0"):
+        Epilogue("softcapped_silu", -1, 2)
     with pytest.raises(ValueError, match="glu_alpha is a gate of its own; it does not combine with 'softcapped_silu"):
-        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, None, 1.702, SOFTCAPPED)
+        Epilogue("softcapped_silu", *CAPS, glu_alpha=1.702)
+    x, ids, weights, w_gate_up, w_down = random_case()
+    with pytest.raises(ValueError, match="moe_fuse.experts: .*glu_alpha is a gate of its own; it does not combine "
+                                         "with 'softcapped_silu"):
+        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False,
+                                   "softcapped_silu(gate_cap=0.5, up_cap=0.8, glu_alpha=1.702)")
 
 
 def test_the_fused_triton_gemms_refuse_it():
@@ -182,19 +195,21 @@ def test_grouped_mm_path_matches_reference(name, clamped, monkeypatch):
 def test_inkling2_experts_are_fused_with_their_caps(tmp_path):
     model, eager, fused, reports = run("inkling2", tmp_path)
     matches = experts_entries(reports, "matches")
-    assert len(matches) == 2 and all(m["activation"] == INKLING2 for m in matches), matches
+    assert len(matches) == 2 and all((m["activation"], m["gate_cap"], m["up_cap"]) == ("softcapped_silu", 4.0, 25.0)
+                                     and m["epilogue"] == INKLING2.encode() for m in matches), matches
     after = "".join(p.read_text() for p in tmp_path.glob("graph_*/after.py"))
-    assert "torch.ops.moe_fuse.experts.default(" in after and f"None, None, '{INKLING2}')" in after
+    assert "torch.ops.moe_fuse.experts.default(" in after
+    assert ", True, 'softcapped_silu(gate_cap=4.0, up_cap=25.0)')" in after
     assert_same_step(eager, fused, output=True)
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    assert experts and all(experts_gate_args(m) == (None, None, INKLING2) for m in experts)
+    assert experts and all(experts_epilogue(m) == INKLING2 for m in experts)
     assert all(unsupported_reason(m) is None for m in experts)
 
 
 def test_the_config_caps_reach_the_op(tmp_path):
     model, eager, fused, reports = run("inkling2", tmp_path, mlp_gate_softcap=0.75, mlp_up_softcap=1.5)
     matches = experts_entries(reports, "matches")
-    assert [m["activation"] for m in matches] == [reference.softcapped(0.75, 1.5)] * 2, matches
+    assert [m["epilogue"] for m in matches] == ["softcapped_silu(gate_cap=0.75, up_cap=1.5)"] * 2, matches
     assert_same_step(eager, fused, output=True)
 
 
@@ -210,7 +225,7 @@ def test_a_gate_that_only_looks_softcapped_is_left_alone(tmp_path, monkeypatch):
     assert reasons and all("expected by 4.0 (a softcap)" in r for r in reasons), reasons
     assert_same_step(eager, fused, output=True)
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    assert experts and all(experts_gate_args(m) is None for m in experts)
+    assert experts and all(experts_epilogue(m) is None for m in experts)
     assert "a custom gating function (Inkling2Experts._apply_gate)" == unsupported_reason(experts[0])
 
 
@@ -220,7 +235,7 @@ def test_eager_experts_implementation_passes_the_caps():
     model, inputs = families.build("inkling2")
     eager = families.loss_and_grads(model, inputs)
     fused, gates = eager_interface_step(model, inputs)
-    assert gates == [(None, None, INKLING2)] * 2, gates
+    assert gates == [INKLING2] * 2, gates
     assert_same_step(eager, fused)
 
 

@@ -28,8 +28,9 @@ import moe_fuse.ops  # noqa: E402,F401
 from moe_fuse import config, dispatch  # noqa: E402
 from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
 from moe_fuse import kernels, reference  # noqa: E402
-from moe_fuse.integrations.transformers import gate_args, unsupported_reason  # noqa: E402
+from moe_fuse.integrations.transformers import gate_epilogue, unsupported_reason  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
+from moe_fuse.spec import Epilogue  # noqa: E402
 
 LIMIT = 0.6  # h ~ N(0, 1) in these cases: about half of the up values and a quarter of the gates are clamped
 ALPHA = 1.702  # GPT-OSS's and MiniMax-M3-VL's
@@ -88,8 +89,8 @@ def test_op_matches_clamped_definition_and_its_autograd(save_h, alpha):
     w_gate_up = w_gate_up * 2  # h of about N(0, 4): many values on both sides of the limit
     assert 0.3 < clamped_fraction(x, ids, w_gate_up, LIMIT) < 0.9
     leaves = [t.requires_grad_() for t in (x, weights, w_gate_up, w_down)]
-    gate = (LIMIT,) if alpha is None else (LIMIT, alpha)
-    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, *gate)[0]
+    epilogue = Epilogue(swiglu_limit=LIMIT, glu_alpha=alpha).encode()
+    got = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h, epilogue)[0]
     want = naive_experts(x, ids, weights, w_gate_up, w_down, LIMIT, alpha)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     unclamped = torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, save_h)[0]
@@ -111,12 +112,17 @@ def test_bound_itself_passes_gradient_as_in_eager():
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
 def test_bad_limit_is_named(bad):
+    """By the Epilogue, and by the op given the string such an Epilogue would encode to."""
     x, ids, weights, w_gate_up, w_down = random_case()
     with pytest.raises(ValueError, match="swiglu_limit must be a positive finite number"):
-        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, bad)
+        Epilogue(swiglu_limit=bad)
+    with pytest.raises(ValueError, match="moe_fuse.experts: .*swiglu_limit must be a positive finite number"):
+        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, f"silu(swiglu_limit={bad!r})")
     if bad != 0.0 and bad != -1.0:
         with pytest.raises(ValueError, match="glu_alpha must be a finite number"):
-            torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, None, bad)
+            Epilogue(glu_alpha=bad)
+        with pytest.raises(ValueError, match="moe_fuse.experts: .*glu_alpha must be a finite number"):
+            torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, f"silu(glu_alpha={bad!r})")
 
 
 def ref64(args, limit, dtype, dy=None, alpha=None):
@@ -235,10 +241,11 @@ def test_clamped_family_is_fused_with_its_limit(name, blocks, tmp_path):
     matches = experts_entries(reports, "matches")
     assert len(matches) == blocks and all(m["swiglu_limit"] == 0.05 for m in matches), matches
     after = "".join(p.read_text() for p in tmp_path.glob("graph_*/after.py"))
-    assert "torch.ops.moe_fuse.experts.default(" in after and ", 0.05)" in after
+    assert "torch.ops.moe_fuse.experts.default(" in after and ", True, 'silu(swiglu_limit=0.05)')" in after
     assert_same_step(eager, fused, output=True)
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    assert experts and all(gate_args(m) == (0.05,) and unsupported_reason(m) is None for m in experts)
+    assert experts and all(gate_epilogue(m) == Epilogue(swiglu_limit=0.05) and unsupported_reason(m) is None
+                           for m in experts)
 
 
 def test_a_gate_that_only_looks_clamped_is_left_alone(tmp_path, monkeypatch):
@@ -256,7 +263,7 @@ def test_a_gate_that_only_looks_clamped_is_left_alone(tmp_path, monkeypatch):
     assert reasons and all("is read by mul; expected one clamp" in r for r in reasons), reasons
     assert families.rel_err(fused[0], eager[0]) < families.TOLERANCE
     experts = [m for m in model.modules() if type(m).__name__ == "HYV4Experts"]
-    assert all(gate_args(m) is None and "custom gating function" in unsupported_reason(m) for m in experts)
+    assert all(gate_epilogue(m) is None and "custom gating function" in unsupported_reason(m) for m in experts)
 
 
 def test_minimax_alpha_gate_is_fused_with_its_constants(tmp_path):
@@ -265,7 +272,8 @@ def test_minimax_alpha_gate_is_fused_with_its_constants(tmp_path):
     assert len(matches) == 2 and all((m["swiglu_limit"], m["glu_alpha"]) == (0.05, ALPHA) for m in matches), matches
     assert_same_step(eager, fused)
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    assert experts and all(gate_args(m) == (0.05, ALPHA) and unsupported_reason(m) is None for m in experts)
+    assert experts and all(gate_epilogue(m) == Epilogue(swiglu_limit=0.05, glu_alpha=ALPHA)
+                           and unsupported_reason(m) is None for m in experts)
 
 
 def test_an_alpha_gate_with_another_shift_is_left_alone(tmp_path, monkeypatch):
@@ -284,11 +292,11 @@ def test_an_alpha_gate_with_another_shift_is_left_alone(tmp_path, monkeypatch):
     assert reasons and all("expected up + 1" in r for r in reasons), reasons
     assert families.rel_err(fused[0], eager[0]) < families.TOLERANCE
     experts = [m for m in model.modules() if type(m).__name__ == "MiniMaxM3VLExperts"]
-    assert experts and all(gate_args(m) is None for m in experts)
+    assert experts and all(gate_epilogue(m) is None for m in experts)
 
 
 def test_checkpointed_layers_keep_the_limit_and_recompute_h(tmp_path):
-    """Inside activation checkpointing the rewrite turns save_h off; the limit stays the op's last argument."""
+    """Inside activation checkpointing the rewrite turns save_h off; the limit stays in the op's epilogue."""
     import re
 
     # output_router_logits: its recording hook inside a checkpoint makes Dynamo run the layer eagerly
@@ -297,14 +305,15 @@ def test_checkpointed_layers_keep_the_limit_and_recompute_h(tmp_path):
     model.train()
     eager, fused, _ = compare(model, inputs, tmp_path)
     after = "".join(p.read_text() for p in sorted(tmp_path.glob("graph_*/after.py")))
-    calls = re.findall(r"torch\.ops\.moe_fuse\.experts\.default\([^;]*, (True|False), ([0-9.]+)\)", after)
+    calls = re.findall(r"torch\.ops\.moe_fuse\.experts\.default\([^;]*, (True|False), "
+                       r"'silu\(swiglu_limit=([0-9.]+)\)'\)", after)
     assert calls == [("False", "0.05")] * 2, calls
     assert_same_step(eager, fused)
 
 
 def eager_interface_step(model, inputs):
     """One training step with ``model.set_experts_implementation("moe_fuse")`` (no torch.compile), a fallback to
-    transformers' forward being an error: (its loss and gradients, each experts op call's arguments after save_h).
+    transformers' forward being an error: (its loss and gradients, each experts op call's Epilogue).
     Shared by the gate tests."""
     import warnings
 
@@ -318,7 +327,8 @@ def eager_interface_step(model, inputs):
     class Spy(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if func in (torch.ops.moe_fuse.experts.default, torch.ops.moe_fuse.experts):
-                gates.append(tuple(args[6:]))
+                encoded = args[6] if len(args) > 6 else (kwargs or {}).get("epilogue", "silu")
+                gates.append(Epilogue.decode(encoded))
             return func(*args, **(kwargs or {}))
 
     with warnings.catch_warnings():
@@ -334,6 +344,6 @@ def test_eager_experts_implementation_passes_the_limit():
     model, inputs = families.build("hy_v4", swiglu_limit=0.05)
     eager = families.loss_and_grads(model, inputs)
     fused, gates = eager_interface_step(model, inputs)
-    limits = [g[0] if g else None for g in gates]
+    limits = [g.swiglu_limit for g in gates]
     assert limits == [0.05, 0.05], limits
     assert_same_step(eager, fused)

@@ -1,5 +1,5 @@
 """Experts without a gate (transformers' ``has_gate=False``: Nemotron-H): an up projection [E, I, H] and a
-squared ReLU, ``activation="relu2"`` on the experts op.
+squared ReLU, the epilogue "relu2" on the experts op.
 
 The op against a naive float64 definition with autograd, the grouped_mm path's passes in the interpreter
 against the float64 reference, the dispatch (that path or the reference, never the fused Triton GEMMs), the
@@ -30,10 +30,12 @@ import moe_fuse.ops  # noqa: E402,F401
 from moe_fuse import config, dispatch  # noqa: E402
 from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
 from moe_fuse import kernels, reference  # noqa: E402
-from moe_fuse.integrations.transformers import experts_gate_args, unsupported_reason  # noqa: E402
+from moe_fuse.integrations.transformers import experts_epilogue, unsupported_reason  # noqa: E402
 from moe_fuse.kernels import _jit, grouped_mm_path  # noqa: E402
+from moe_fuse.spec import Epilogue  # noqa: E402
 
-RELU2 = (None, None, "relu2")  # the op's arguments after save_h: swiglu_limit, glu_alpha, activation
+RELU2 = Epilogue("relu2")
+assert RELU2.encode() == "relu2"  # the op's epilogue argument
 NAMES = ("dx", "d_weights", "d_w_up", "d_w_down")
 
 
@@ -61,7 +63,7 @@ def naive_experts(x, ids, weights, w_up, w_down):
 def test_op_matches_squared_relu_definition_and_its_autograd(save_h, sentinel_fraction):
     x, ids, weights, w_up, w_down = ungated(random_case(k=3, sentinel_fraction=sentinel_fraction))
     leaves = [t.requires_grad_() for t in (x, weights, w_up, w_down)]
-    got, h = torch.ops.moe_fuse.experts(x, ids, weights, w_up, w_down, save_h, *RELU2)[:2]
+    got, h = torch.ops.moe_fuse.experts(x, ids, weights, w_up, w_down, save_h, "relu2")[:2]
     want = naive_experts(x, ids, weights, w_up, w_down)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert h.shape == ((x.shape[0] * 3, w_up.shape[1]) if save_h else (0, w_up.shape[1]))
@@ -74,20 +76,25 @@ def test_opcheck():
     x, ids, weights, w_up, w_down = ungated(random_case(k=2, dtype=torch.float32))
     for t in (x, weights, w_up, w_down):
         t.requires_grad_()
-    torch.library.opcheck(torch.ops.moe_fuse.experts.default, (x, ids, weights, w_up, w_down, True, *RELU2))
+    torch.library.opcheck(torch.ops.moe_fuse.experts.default, (x, ids, weights, w_up, w_down, True, "relu2"))
 
 
 def test_bad_arguments_are_named():
     x, ids, weights, w_gate_up, w_down = random_case()
     with pytest.raises(ValueError, match=r"experts without a gate \('relu2'\) must be up \[E, I, H\] and down "
                                          r"\[E, H, I\]; got \(5, 20, 12\) and \(5, 12, 10\)"):
-        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, *RELU2)
+        torch.ops.moe_fuse.experts(x, ids, weights, w_gate_up, w_down, False, "relu2")
     w_up = w_gate_up[:, :10]
-    with pytest.raises(ValueError, match="activation 'relu2' has no gate; swiglu_limit, glu_alpha, gate_up_bias and "
-                                         "interleaved are gate options"):
-        torch.ops.moe_fuse.experts(x, ids, weights, w_up, w_down, False, 1.0, None, "relu2")
+    no_gate = "activation 'relu2' has no gate; swiglu_limit, glu_alpha, gate_up_bias and interleaved are gate options"
+    for options in ({"swiglu_limit": 1.0}, {"glu_alpha": 1.0}, {"interleaved": True}):
+        with pytest.raises(ValueError, match=no_gate if "glu_alpha" not in options else "glu_alpha is a gate of its"):
+            Epilogue("relu2", **options)
+    with pytest.raises(ValueError, match="moe_fuse.experts: epilogue 'relu2\\(swiglu_limit=1.0\\)': " + no_gate):
+        torch.ops.moe_fuse.experts(x, ids, weights, w_up, w_down, False, "relu2(swiglu_limit=1.0)")
+    with pytest.raises(ValueError, match="moe_fuse.experts: " + no_gate):
+        torch.ops.moe_fuse.experts(x, ids, weights, w_up, w_down, False, "relu2", torch.zeros(5, 10))
     with pytest.raises(ValueError, match=r"activation must be one of silu, gelu_tanh, relu2 or .*, got 'relu'"):
-        torch.ops.moe_fuse.experts(x, ids, weights, w_up, w_down, False, None, None, "relu")
+        torch.ops.moe_fuse.experts(x, ids, weights, w_up, w_down, False, "relu")
 
 
 def ref64(args, dy=None):
@@ -164,7 +171,7 @@ def test_nemotron_h_experts_are_fused(tmp_path):
     matches = experts_entries(reports, "matches")
     assert len(matches) == 2 and all(m["activation"] == "relu2" and m["layout"] == "up_only" for m in matches), matches
     after = "".join(p.read_text() for p in tmp_path.glob("graph_*/after.py"))
-    assert "torch.ops.moe_fuse.experts.default(" in after and "None, None, 'relu2')" in after
+    assert "torch.ops.moe_fuse.experts.default(" in after and ", True, 'relu2')" in after
     assert_same_step(eager, fused, output=True)
 
 
@@ -184,7 +191,7 @@ def test_eager_experts_implementation_runs_the_op():
     eager's loss and gradients."""
     model, inputs = families.build("nemotron_h")
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    assert experts and all(unsupported_reason(m) is None and experts_gate_args(m) == RELU2 for m in experts)
+    assert experts and all(unsupported_reason(m) is None and experts_epilogue(m) == RELU2 for m in experts)
     eager = families.loss_and_grads(model, inputs)
     fused, gates = eager_interface_step(model, inputs)
     assert gates == [RELU2, RELU2], gates
@@ -228,18 +235,18 @@ def test_left_alone_on_a_gpu_where_the_op_would_run_its_reference(monkeypatch):
 
     monkeypatch.setattr(_jit, "interpreting", lambda: False)
     monkeypatch.setattr(dispatch, "_CAPABILITY", {0: 9})
-    _check_kernel_path(*nodes(torch.bfloat16), False, "relu2", None)  # sm90, bf16: the kernels take it
+    _check_kernel_path(*nodes(torch.bfloat16), False, RELU2, None)  # sm90, bf16: the kernels take it
     with pytest.raises(NoMatch, match=r"experts without a gate run fused on CUDA sm90\+ in bf16 only \(the "
                                       r"grouped_mm path\); here the op would run its reference loop"):
-        _check_kernel_path(*nodes(torch.float32), False, "relu2", None)
+        _check_kernel_path(*nodes(torch.float32), False, RELU2, None)
     monkeypatch.setattr(dispatch, "_CAPABILITY", {0: 8})  # an A100
     with pytest.raises(NoMatch, match="experts without a gate run fused on CUDA sm90"):
-        _check_kernel_path(*nodes(torch.bfloat16), False, "relu2", None)
+        _check_kernel_path(*nodes(torch.bfloat16), False, RELU2, None)
 
 
 def test_checkpointed_layers_recompute_h(tmp_path):
     """Inside activation checkpointing the rewrite turns save_h off (the backward recomputes h with one GEMM);
-    "relu2" stays the op's last argument, and the step is eager's."""
+    "relu2" stays the op's epilogue, and the step is eager's."""
     import re
 
     from test_swiglu_limit import compare
@@ -250,6 +257,6 @@ def test_checkpointed_layers_recompute_h(tmp_path):
     model.train()
     eager, fused, _ = compare(model, inputs, tmp_path)
     after = "".join(p.read_text() for p in sorted(tmp_path.glob("graph_*/after.py")))
-    calls = re.findall(r"torch\.ops\.moe_fuse\.experts\.default\([^;]*, (True|False), None, None, 'relu2'\)", after)
+    calls = re.findall(r"torch\.ops\.moe_fuse\.experts\.default\([^;]*, (True|False), 'relu2'\)", after)
     assert calls == ["False"] * 2, calls
     assert_same_step(eager, fused)

@@ -107,7 +107,7 @@ def forward(self, L_hidden_states_ : torch.Tensor, L_self_modules_router_paramet
     getitem_16 = router_topk_softmax_default[2];  router_topk_softmax_default = None
     transpose = l_self_modules_experts_parameters_gate_up_proj_.transpose(-2, -1);  l_self_modules_experts_parameters_gate_up_proj_ = None
     transpose_1 = l_self_modules_experts_parameters_down_proj_.transpose(-2, -1);  l_self_modules_experts_parameters_down_proj_ = None
-    experts_default = torch.ops.moe_fuse.experts.default(hidden_states, getitem_16, getitem_15, transpose, transpose_1, True, 7.0, 1.702, 'silu', l_self_modules_experts_parameters_gate_up_proj_bias_, True);  hidden_states = transpose = transpose_1 = l_self_modules_experts_parameters_gate_up_proj_bias_ = None
+    experts_default = torch.ops.moe_fuse.experts.default(hidden_states, getitem_16, getitem_15, transpose, transpose_1, True, 'silu(swiglu_limit=7.0, glu_alpha=1.702, interleaved=True)', l_self_modules_experts_parameters_gate_up_proj_bias_);  hidden_states = transpose = transpose_1 = l_self_modules_experts_parameters_gate_up_proj_bias_ = None
     getitem_11 = experts_default[0];  experts_default = None
     to_3 = getitem_11.to(torch.float32);  getitem_11 = None
     to_4 = l_self_modules_experts_parameters_down_proj_bias_.to(torch.float32);  l_self_modules_experts_parameters_down_proj_bias_ = None
@@ -147,7 +147,7 @@ def forward(self, L_hidden_states_ : torch.Tensor, L_self_modules_gate_parameter
     getitem_13 = router_sigmoid_default[1]
     getitem_14 = router_sigmoid_default[2];  router_sigmoid_default = None
     hidden_states_1 = l_hidden_states_.view(-1, 32)
-    experts_default = torch.ops.moe_fuse.experts.default(hidden_states_1, getitem_14, getitem_13, l_self_modules_experts_parameters_up_proj_, l_self_modules_experts_parameters_down_proj_, True, None, None, 'relu2');  hidden_states_1 = getitem_14 = getitem_13 = l_self_modules_experts_parameters_up_proj_ = l_self_modules_experts_parameters_down_proj_ = None
+    experts_default = torch.ops.moe_fuse.experts.default(hidden_states_1, getitem_14, getitem_13, l_self_modules_experts_parameters_up_proj_, l_self_modules_experts_parameters_down_proj_, True, 'relu2');  hidden_states_1 = getitem_14 = getitem_13 = l_self_modules_experts_parameters_up_proj_ = l_self_modules_experts_parameters_down_proj_ = None
     getitem_11 = experts_default[0];  experts_default = None
     hidden_states_3 = getitem_11.view(2, 5, 32);  getitem_11 = None
     linear_1 = torch._C._nn.linear(l_hidden_states_, l_self_modules_shared_experts_modules_up_proj_parameters_weight_, None);  l_hidden_states_ = l_self_modules_shared_experts_modules_up_proj_parameters_weight_ = None
@@ -168,7 +168,8 @@ def test_checkpointed_gpt_oss_block_recomputes_h(tmp_path):
     experts = matches(reports, "grouped_mm_experts")
     assert len(experts) == 2 and all("wrap_body" in m["where"] for m in experts), experts
     after = "".join(p.read_text() for p in sorted(tmp_path.glob("graph_*/after.py")))
-    # moe_fuse.experts(x, ids, weights, W_gate_up, W_down, save_h, swiglu_limit, glu_alpha, activation, bias, ...)
-    calls = re.findall(r"torch\.ops\.moe_fuse\.experts\.default\((?:[^,()]+, ){5}(True|False), [^;]*, True\)", after)
+    # moe_fuse.experts(x, ids, weights, W_gate_up, W_down, save_h, epilogue, gate_up_bias)
+    calls = re.findall(r"torch\.ops\.moe_fuse\.experts\.default\((?:[^,()]+, ){5}(True|False), "
+                       r"'silu\(swiglu_limit=7\.0, glu_alpha=1\.702, interleaved=True\)', [^,();]+\)", after)
     assert calls == ["False"] * 2, after
     assert_parity(eager, fused, tol=families.TOLERANCE, output=False)
