@@ -62,19 +62,33 @@ def _sources_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def _tagged_caches():
+def _tagged_caches(tag: str):
     compiler_config = getattr(torch.compiler, "config", None)
     if compiler_config is None or not hasattr(compiler_config, "cache_key_tag"):  # torch without the knob
         return contextlib.nullcontext()
     user_tag = compiler_config.cache_key_tag
-    return compiler_config.patch(cache_key_tag=f"{user_tag}+{cache_tag()}" if user_tag else cache_tag())
+    return compiler_config.patch(cache_key_tag=f"{user_tag}+{tag}" if user_tag else tag)
+
+
+def _tagged_inner(tag: str):
+    """Inductor's per-graph compile under ``tag``. AOTAutograd compiles the backward graph lazily, at the first
+    backward, outside the backend call: without this its FX graph cache key would not name moe_fuse's version and
+    settings (a backward cached against older op schemas would be reused)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    def inner(gm, example_inputs, **kwargs):  # torch 2.13 passes more keywords than 2.11
+        with _tagged_caches(tag):
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    return inner
 
 
 def inner_compile(gm, example_inputs, mode: str | None, inductor_options: dict):
-    """Compile the rewritten graph with ``config.inner``."""
+    """Compile the rewritten graph with ``config.inner``, every cache keyed by ``cache_tag()`` as it is now."""
     if config.inner == "eager":
         return gm.forward
-    with _tagged_caches():
+    tag = cache_tag()
+    with _tagged_caches(tag):
         if config.inner == "aot_eager":
             from torch._dynamo.backends.registry import lookup_backend
 
@@ -83,7 +97,8 @@ def inner_compile(gm, example_inputs, mode: str | None, inductor_options: dict):
         from torch._inductor.compile_fx import compile_fx
 
         options = {**(list_mode_options(mode) if mode else {}), **inductor_options}
-        return compile_fx(model_=gm, example_inputs_=example_inputs, config_patches=options or None)
+        return compile_fx(model_=gm, example_inputs_=example_inputs, inner_compile=_tagged_inner(tag),
+                          config_patches=options or None)
 
 
 def moe_fuse_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):

@@ -86,12 +86,8 @@ class GraphReport:
             shape = f"E={m['num_experts']} k={m['top_k']} H={m['hidden']}"
             if "intermediate" in m:
                 shape += f" I={m['intermediate']}"
-            if m.get("swiglu_limit") is not None:
-                shape += f" swiglu_limit={m['swiglu_limit']}"
-            if m.get("glu_alpha") is not None:
-                shape += f" glu_alpha={m['glu_alpha']}"
-            if m.get("activation", "silu") != "silu":
-                shape += f" activation={m['activation']}"
+            if m.get("epilogue", "silu") != "silu":  # the activation and its constants (spec.Epilogue)
+                shape += f" epilogue={m['epilogue']}"
             lines.append(f"  fused    {m['pattern']:<22} {shape} {m['dtype']:<8} "
                          f"verified={m['verified']} nodes={m['nodes_replaced']} at {m['where']}")
             lines.extend(f"           note: {note}" for note in m.get("notes", ()))

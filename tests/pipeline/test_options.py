@@ -76,17 +76,28 @@ def test_inner_compile_tags_the_compile_caches(monkeypatch, user_tag):
 
     from moe_fuse import backend
 
-    seen = []
+    seen, per_graph = [], []
 
-    def fake_compile_fx(model_, example_inputs_, config_patches=None):
+    def fake_compile_fx(model_, example_inputs_, inner_compile=None, config_patches=None):
         seen.append(torch.compiler.config.cache_key_tag)
+        per_graph.append(inner_compile)
         return model_.forward
 
+    def fake_compile_fx_inner(gm, example_inputs, **kwargs):
+        seen.append((torch.compiler.config.cache_key_tag, kwargs))
+
     monkeypatch.setattr(compile_fx_module, "compile_fx", fake_compile_fx)
+    monkeypatch.setattr(compile_fx_module, "compile_fx_inner", fake_compile_fx_inner)
     gm = torch.fx.symbolic_trace(torch.nn.ReLU())
     with torch.compiler.config.patch(cache_key_tag=user_tag):
         backend.inner_compile(gm, [torch.randn(2)], None, {})
         assert torch.compiler.config.cache_key_tag == user_tag
-    tag = backend.cache_tag()
+        tag = backend.cache_tag()
+        # AOTAutograd compiles the backward graph later, outside the backend (here under other settings): it
+        # still gets the tag of the compile that made it
+        with config.patch(split_backward=False):
+            per_graph[0](gm, [torch.randn(2)], is_backward=True)
+        assert torch.compiler.config.cache_key_tag == user_tag
     assert tag.startswith("moe_fuse-") and len(tag) == len("moe_fuse-") + 16 + 1 + 12  # sources, settings
-    assert seen == [f"{user_tag}+{tag}" if user_tag else tag]
+    want = f"{user_tag}+{tag}" if user_tag else tag
+    assert seen == [want, (want, {"is_backward": True})]
