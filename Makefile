@@ -18,4 +18,4 @@ demo: setup
 	$(PYTHON) examples/qwen3_moe.py
 
 test: setup
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2
