@@ -33,7 +33,7 @@ In compiled graphs, ``moe_fuse/patterns/ep_torchtitan.py`` replaces TorchTitan's
 all-to-alls + ``wait_tensor``) by ``torch.ops.moe_fuse.ep_experts`` (``ep_ops.py``) when the backend
 gets ``options={"moe_fuse.ep_chunks": N}``.
 
-Still missing (issue #5): transformers' own sentinel-id EP plan in graphs; Triton kernels over
+Not yet covered: transformers' own sentinel-id EP plan in graphs; Triton kernels over
 ``torch.distributed._symmetric_memory`` with no host sync at all.
 """
 
