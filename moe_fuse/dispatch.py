@@ -112,6 +112,11 @@ def on_kernels(x, ids, weights, w_gate_up, w_down, activation: str = "silu", gat
                                   gated=gated(activation))
 
 
+def router_on_kernels(x) -> bool:
+    """Whether ``torch.ops.moe_fuse.router`` runs its Triton softmax / top-k kernels (CUDA), else the reference."""
+    return x.is_cuda
+
+
 @dataclass(frozen=True)
 class ExpertsPlan:
     """What one experts call runs and keeps. ``forward``: "grouped_mm", "triton" or "reference"; h_rows, rows and

@@ -37,7 +37,7 @@ def _op(fn):
 
     Not ``torch.library.custom_op``: that adds a wrapper per call (output aliasing checks, a frame with
     Dynamo disabled) costing ~16-28 us of host time on the H200 machines, against ~5-11 for a plain kernel
-    registration (``bench/probe_op_overhead.py``); a training step calls four of these ops, and the
+    registration (the op-overhead probe at da3be06); a training step calls four of these ops, and the
     30B step at T=4096 is host-bound. Every output here is a fresh tensor (nothing aliases an input).
     Fake and autograd implementations are registered by name, as for a custom op.
     """
@@ -53,7 +53,7 @@ def _op(fn):
 def router(
     x: Tensor, weight: Tensor, top_k: int, renorm: bool, weights_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if x.is_cuda:
+    if dispatch.router_on_kernels(x):
         # cuBLAS for the logits (bitwise eager's), one Triton kernel for softmax + top-k + renorm + cast.
         logits = torch.nn.functional.linear(x, weight)
         return (logits, *kernels.softmax_topk(logits, top_k, renorm, weights_dtype))
@@ -76,7 +76,7 @@ def router_backward(
     d_logits: Tensor | None, d_weights: Tensor, x: Tensor, weight: Tensor, logits: Tensor, ids: Tensor, renorm: bool
 ) -> tuple[Tensor, Tensor]:
     """(dx, d_weight). d_logits: the gradient that reached the logits output directly, or None when none did."""
-    if x.is_cuda:
+    if dispatch.router_on_kernels(x):
         # One Triton kernel back to the logits (torch needs a dozen small ones), then cuBLAS.
         d = kernels.softmax_topk_backward(d_logits, d_weights, logits, ids, renorm)
         return d @ weight, d.t() @ x
@@ -414,7 +414,7 @@ def _experts_backward(ctx, dy, _d_h, _d_xs, _d_routing, _d_aw):
     bias = bias[0] if bias else None
     if dispatch.split_backward(x, ids, w_gate_up, w_down, dy, h, routing):
         # Three ops: the compiled backward frees h and aw, which only the first reads, before the second allocates
-        # its [S, H] GEMM output (the layer step's peak: bench/backward_memory_cpu.py); dW_gate_up, which nothing
+        # its [S, H] GEMM output (the layer step's peak: tests/gpu/test_memory_gpu.py); dW_gate_up, which nothing
         # else reads, apart, so that Inductor's memory-aware ordering may run it after later layers' work.
         dh, d_weights, d_wd = torch.ops.moe_fuse.experts_backward_down(
             dy, x, ids, weights, w_gate_up, w_down, h, routing, aw, ctx.epilogue, bias
