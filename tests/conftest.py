@@ -1,13 +1,7 @@
 import os
-import sys
 
 import pytest
 import torch
-
-# Some test modules still import helpers from test modules of another folder.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _sub in ("kernels", "ops", "pipeline"):
-    sys.path.insert(0, os.path.join(_HERE, _sub))
 
 # Without a GPU every Triton kernel runs in Triton's interpreter on CPU tensors.
 # Set before any test module imports triton.

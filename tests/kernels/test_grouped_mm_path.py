@@ -20,10 +20,8 @@ import pytest  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
-from test_kernels_backward import NAMES, ref64 as ref64_backward  # noqa: E402
-from test_kernels_forward import DEVICE, make_case, poisoned_buffers, ref64, rel_err  # noqa: E402
-
 from moe_fuse import config, dispatch  # noqa: E402
+from support.cases import DEVICE, NAMES, make_case, poisoned_buffers, ref64, ref64_backward, rel_err  # noqa: E402
 from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
 from moe_fuse import kernels  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402

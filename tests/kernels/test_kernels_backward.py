@@ -18,20 +18,14 @@ import pytest  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
-from test_kernels_forward import DEVICE, make_case, poisoned_buffers, rel_err  # noqa: E402
-
-from moe_fuse import kernels, reference  # noqa: E402
+from moe_fuse import kernels  # noqa: E402
 from moe_fuse.dispatch import experts_backward, experts_forward  # noqa: E402
 from moe_fuse.kernels.backward import BackwardConfig, GemmConfig  # noqa: E402
 from moe_fuse.kernels.backward import experts_backward as backward_with_config  # noqa: E402
+from support.cases import DEVICE, NAMES, make_case, poisoned_buffers, rel_err  # noqa: E402
+from support.cases import ref64_backward as ref64  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-NAMES = ("dx", "d_weights", "d_w_gate_up", "d_w_down")
-
-
-def ref64(dy, x, ids, weights, w_gate_up, w_down):
-    cpu = [t.cpu() for t in (dy, x, ids, weights, w_gate_up, w_down)]
-    return reference.experts_backward(*[t.double() if t.is_floating_point() else t for t in cpu])
 
 
 def check(args, dy, monkeypatch, tol, config=None, saved_h=False):

@@ -8,7 +8,6 @@ Python. The interpreter rounds fp32 -> bf16 by truncation, so bf16 tolerances
 here are looser than on a GPU.
 """
 
-import contextlib
 import os
 
 import torch
@@ -21,68 +20,13 @@ import pytest  # noqa: E402
 # The interpreter itself converts 1-element arrays with int(): numpy's warning about it is noise here.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
-from moe_fuse import reference  # noqa: E402
 from moe_fuse.dispatch import experts_forward, supports  # noqa: E402
 from moe_fuse.kernels import route  # noqa: E402
 from moe_fuse.kernels.combine import combine  # noqa: E402
 from moe_fuse.kernels.grouped_gemm import GemmConfig, down, gate_up  # noqa: E402
+from support.cases import DEVICE, make_case, make_ids, poisoned_buffers, ref64, rel_err  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def make_ids(T, k, E, mode, gen):
-    """[T, k] expert ids. Distinct experts per token like top-k, except where the mode says otherwise."""
-    if mode == "uniform":
-        return torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    if mode == "skewed":  # a few heavy experts, some empty
-        probs = torch.tensor([8.0, 4.0, 0.0, 1.0, 0.0, 2.0] + [0.5] * (E - 6))[:E]
-        return torch.stack([torch.multinomial(probs, k, generator=gen) for _ in range(T)])
-    if mode == "two":  # only experts 1 and E-2 get rows
-        return torch.randint(0, 2, (T, k), generator=gen) * (E - 3) + 1
-    if mode == "one":  # every slot on one expert (duplicates inside a token)
-        return torch.full((T, k), E // 2, dtype=torch.int64)
-    if mode == "sentinels":  # expert parallelism: ids >= E belong to another rank
-        ids = make_ids(T, k, E, "uniform", gen)
-        off_rank = torch.rand(T, k, generator=gen) < 0.3
-        return torch.where(off_rank, E + torch.randint(0, 3, (T, k), generator=gen), ids)
-    raise ValueError(mode)
-
-
-def make_case(T, k, E, H, I, dtype, mode="uniform", w_dtype=None, r_dtype=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    w_dtype = w_dtype or dtype
-    r_dtype = r_dtype or dtype
-    x = torch.randn(T, H, generator=gen).to(dtype)
-    ids = make_ids(T, k, E, mode, gen)
-    weights = torch.rand(T, k, generator=gen).to(r_dtype)
-    w_gate_up = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(w_dtype)
-    w_down = (torch.randn(E, H, I, generator=gen) / I**0.5).to(w_dtype)
-    return [t.to(DEVICE) for t in (x, ids, weights, w_gate_up, w_down)]
-
-
-def ref64(x, ids, weights, w_gate_up, w_down):
-    cpu = [t.cpu() for t in (x, ids, weights, w_gate_up, w_down)]
-    return reference.experts_forward(*[t.double() if t.is_floating_point() else t for t in cpu])
-
-
-@contextlib.contextmanager
-def poisoned_buffers(monkeypatch):
-    """Every buffer the kernels allocate starts as NaN (floats) or -1 (ints): unwritten elements show."""
-    real_empty = torch.empty
-
-    def poisoned_empty(*shape, **kw):
-        t = real_empty(*shape, **kw)
-        t.fill_(float("nan") if t.is_floating_point() else -1)
-        return t
-
-    with monkeypatch.context() as m:
-        m.setattr(torch, "empty", poisoned_empty)
-        yield
 
 
 def run_poisoned(monkeypatch, *args, **kwargs):

@@ -13,13 +13,11 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from torch.library import opcheck  # noqa: E402
 
-from test_kernels_forward import DEVICE, make_case  # noqa: E402
-from test_keep_rows import on_grouped_mm_path  # noqa: E402, F401  (fixture)
-
 from moe_fuse import config, dispatch  # noqa: E402
 from moe_fuse import kernels, ops  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
 from moe_fuse.spec import Epilogue  # noqa: E402
+from support.cases import DEVICE, make_case  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -45,7 +43,7 @@ def _step(args, dy, keep_rows, monkeypatch, split, **gate):
 
 
 @pytest.mark.parametrize("keep_rows", [True, False])
-def test_two_ops_give_the_single_ops_gradients(keep_rows, on_grouped_mm_path, monkeypatch):  # noqa: F811
+def test_two_ops_give_the_single_ops_gradients(keep_rows, on_grouped_mm_path, monkeypatch):
     args = make_case(24, 2, 4, 32, 16, torch.float32, "skewed", seed=11)
     dy = torch.randn(24, 32, generator=torch.Generator().manual_seed(12)).to(DEVICE)
     split, split_calls = _step(args, dy, keep_rows, monkeypatch, True)
@@ -59,7 +57,7 @@ def test_two_ops_give_the_single_ops_gradients(keep_rows, on_grouped_mm_path, mo
 
 
 @pytest.mark.parametrize("gate", ["relu2", "bias_interleaved", "limit_alpha"])
-def test_two_ops_with_the_other_gates(gate, on_grouped_mm_path, monkeypatch):  # noqa: F811
+def test_two_ops_with_the_other_gates(gate, on_grouped_mm_path, monkeypatch):
     """Experts without a gate (d_h [S, I]), GPT-OSS's biases and interleaved rows (the bias gradient from the second
     op), clamped SwiGLU with the alpha gate: the two ops give the single op's bits."""
     T, k, E, H, I = 24, 2, 4, 32, 16
@@ -81,7 +79,7 @@ def test_two_ops_with_the_other_gates(gate, on_grouped_mm_path, monkeypatch):  #
         assert torch.equal(a, b)
 
 
-def test_checkpointed_calls_keep_the_single_op(on_grouped_mm_path, monkeypatch):  # noqa: F811
+def test_checkpointed_calls_keep_the_single_op(on_grouped_mm_path, monkeypatch):
     """Without a kept h (save_h False: a checkpointed layer) the backward recomputes inside one op, with one tile map
     for its four row-ragged GEMMs."""
     calls = []
@@ -95,7 +93,7 @@ def test_checkpointed_calls_keep_the_single_op(on_grouped_mm_path, monkeypatch):
     assert calls == ["experts_backward", "tile_map"]
 
 
-def test_opcheck(on_grouped_mm_path):  # noqa: F811
+def test_opcheck(on_grouped_mm_path):
     """Schemas, fake implementations (the shapes and weight layouts the real ones return)."""
     T, k, E, H, I = 12, 2, 4, 16, 8
     args = make_case(T, k, E, H, I, torch.float32, seed=14)

@@ -19,9 +19,9 @@ import pytest  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 from support import families  # noqa: E402
-from test_kernels_forward import DEVICE, make_case, poisoned_buffers, rel_err  # noqa: E402
-from test_ops import random_case  # noqa: E402
-from test_swiglu_limit import compare, experts_entries  # noqa: E402
+from support.cases import BIAS_NAMES as NAMES  # noqa: E402
+from support.cases import DEVICE, biases, make_case, poisoned_buffers, random_case, rel_err  # noqa: E402
+from support.steps import compare, experts_entries  # noqa: E402
 
 from moe_fuse import config, dispatch  # noqa: E402
 from support.paths import grouped_mm_backward, grouped_mm_forward  # noqa: E402
@@ -33,7 +33,6 @@ from moe_fuse.spec import Epilogue  # noqa: E402
 LIMIT, ALPHA = 7.0, 1.702  # GPT-OSS's
 GPT_OSS = Epilogue(swiglu_limit=LIMIT, glu_alpha=ALPHA, interleaved=True)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-NAMES = ("dx", "d_weights", "d_w_gate_up", "d_w_down", "d_gate_up_bias")
 
 
 def naive_experts(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, limit=None, alpha=None, interleaved=True):
@@ -53,11 +52,6 @@ def naive_experts(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, limit=N
             acc = acc + weights[t, j] * (w_down[e] @ act + (0 if b_down is None else b_down[e]))
         rows.append(acc)
     return torch.stack(rows)
-
-
-def biases(E, two_i, H, dtype=torch.float64, seed=11):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(E, two_i, generator=gen).to(dtype), torch.randn(E, H, generator=gen).to(dtype)
 
 
 @pytest.mark.parametrize("which", ["both", "gate_up", "down", "interleaved_only"])

@@ -18,11 +18,9 @@ import torch.nn.functional as F  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 from support import families  # noqa: E402
-from test_kernels_forward import DEVICE, make_case, poisoned_buffers, rel_err  # noqa: E402
-from test_ops import random_case  # noqa: E402
-from test_swiglu_limit import (  # noqa: E402
-    KERNEL_CASES, LIMIT, TOL, assert_same_step, check, eager_interface_step, experts_entries, naive_experts, run,
-)
+from support.cases import DEVICE, make_case, poisoned_buffers, random_case, rel_err  # noqa: E402
+from support.epilogues import KERNEL_CASES, LIMIT, TOL, check, naive_experts  # noqa: E402
+from support.steps import assert_same_step, eager_interface_step, experts_entries, run  # noqa: E402
 
 import moe_fuse.ops  # noqa: E402,F401
 from moe_fuse import config, dispatch  # noqa: E402

@@ -14,11 +14,10 @@ import pytest  # noqa: E402
 from torch.library import opcheck  # noqa: E402
 
 from support import families  # noqa: E402
-from test_kernels_forward import DEVICE, make_case  # noqa: E402
-from test_swiglu_limit import compare  # noqa: E402
-from test_ungated import assert_same_step  # noqa: E402
+from support.cases import DEVICE, make_case  # noqa: E402
+from support.steps import assert_same_step, compare  # noqa: E402
 
-from moe_fuse import config, dispatch  # noqa: E402
+from moe_fuse import dispatch  # noqa: E402
 from moe_fuse import kernels, ops  # noqa: E402
 from moe_fuse.backend import parse_options  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
@@ -66,15 +65,6 @@ def test_inference_calls_are_left_as_they_are(tmp_path):
     calls = _experts_calls(tmp_path)
     assert len(calls) == 2 and all(c.endswith("False") for c in calls), calls
     assert families.rel_err(got, want) < families.TOLERANCE
-
-
-@pytest.fixture
-def on_grouped_mm_path(monkeypatch):
-    """The op on its CUDA kernels path where this machine has none: grouped_mm_path's functions run on the CPU
-    (torch's grouped GEMM fallback, the Triton kernels in the interpreter)."""
-    monkeypatch.setattr(dispatch, "grouped_mm_applies", lambda *a: True)
-    monkeypatch.setattr(config, "ragged_min_rows", 0)
-    monkeypatch.setattr(dispatch, "on_kernels", lambda *a, **k: True)
 
 
 def test_op_keeps_neither_rows_nor_activation(on_grouped_mm_path):

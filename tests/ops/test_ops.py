@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.library import opcheck
 
 import moe_fuse.ops  # noqa: F401  (registers torch.ops.moe_fuse)
+from support.cases import random_case
 
 
 def naive_experts(x, ids, weights, w_gate_up, w_down):
@@ -22,18 +23,6 @@ def naive_experts(x, ids, weights, w_gate_up, w_down):
             acc = acc + weights[t, j] * (w_down[e] @ (F.silu(gate) * up))
         rows.append(acc)
     return torch.stack(rows)
-
-
-def random_case(T=9, H=12, I=10, E=5, k=2, dtype=torch.float64, seed=0, sentinel_fraction=0.0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=gen, dtype=dtype)
-    ids = torch.rand(T, E, generator=gen).argsort(-1)[:, :k]
-    if sentinel_fraction:
-        ids[torch.rand(T, k, generator=gen) < sentinel_fraction] = E
-    weights = torch.rand(T, k, generator=gen, dtype=dtype)
-    w_gate_up = torch.randn(E, 2 * I, H, generator=gen, dtype=dtype) / H**0.5
-    w_down = torch.randn(E, H, I, generator=gen, dtype=dtype) / I**0.5
-    return x, ids, weights, w_gate_up, w_down
 
 
 @pytest.mark.parametrize("save_h", [False, True])

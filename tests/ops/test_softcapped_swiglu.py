@@ -18,12 +18,9 @@ import pytest  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 from support import families  # noqa: E402
-from test_kernels_forward import DEVICE, make_case, poisoned_buffers, rel_err  # noqa: E402
-from test_ops import random_case  # noqa: E402
-from test_swiglu_limit import (  # noqa: E402
-    KERNEL_CASES, LIMIT, TOL, assert_same_step, check, clear_limit, eager_interface_step, experts_entries,
-    naive_experts, run,
-)
+from support.cases import DEVICE, make_case, poisoned_buffers, random_case, rel_err  # noqa: E402
+from support.epilogues import KERNEL_CASES, LIMIT, TOL, check, clear_limit, naive_experts  # noqa: E402
+from support.steps import assert_same_step, eager_interface_step, experts_entries, run  # noqa: E402
 
 import moe_fuse.ops  # noqa: E402,F401
 from moe_fuse import config, dispatch  # noqa: E402
@@ -244,7 +241,7 @@ def test_eager_experts_implementation_passes_the_caps():
 def test_with_a_gate_up_bias_and_interleaved_rows(name, monkeypatch):
     """The softcaps after the bias, on gate and up read as even and odd columns (the passes share those loads with
     every gate): against the float64 reference, the bias gradient included."""
-    from test_expert_biases import NAMES as BIAS_NAMES, biases
+    from support.cases import BIAS_NAMES, biases
 
     monkeypatch.setattr(config, "ragged_min_rows", 0)
     T, k, E, H, I, dtype, mode = KERNEL_CASES[name]

@@ -21,8 +21,9 @@ import torch.nn.functional as F  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 from support import families  # noqa: E402
-from test_kernels_forward import DEVICE, make_case, poisoned_buffers, rel_err  # noqa: E402
-from test_ops import random_case  # noqa: E402
+from support.cases import DEVICE, make_case, poisoned_buffers, random_case, rel_err  # noqa: E402
+from support.epilogues import KERNEL_CASES, LIMIT, TOL, check, clear_limit, exact_h, naive_experts  # noqa: E402
+from support.steps import assert_same_step, compare, eager_interface_step, experts_entries, run  # noqa: E402
 
 import moe_fuse.ops  # noqa: E402,F401
 from moe_fuse import config, dispatch  # noqa: E402
@@ -32,54 +33,11 @@ from moe_fuse.integrations.transformers import gate_epilogue, unsupported_reason
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
 from moe_fuse.spec import Epilogue  # noqa: E402
 
-LIMIT = 0.6  # h ~ N(0, 1) in these cases: about half of the up values and a quarter of the gates are clamped
 ALPHA = 1.702  # GPT-OSS's and MiniMax-M3-VL's
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def naive_experts(x, ids, weights, w_gate_up, w_down, limit, alpha=None, glu=None):
-    """Token by token, slot by slot; ``glu(gate, up)`` replaces the gated activation when given (the gate tests')."""
-    rows = []
-    for t in range(x.shape[0]):
-        acc = torch.zeros_like(x[t])
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate, up = (w_gate_up[e] @ x[t]).chunk(2)
-            if limit is not None:
-                gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-            if glu is not None:
-                act = glu(gate, up)
-            else:
-                act = F.silu(gate) * up if alpha is None else gate * torch.sigmoid(gate * alpha) * (up + 1)
-            acc = acc + weights[t, j] * (w_down[e] @ act)
-        rows.append(acc)
-    return torch.stack(rows)
-
-
-def exact_h(x, ids, w_gate_up):
-    return torch.einsum("th,tjnh->tjn", x.double().cpu(), w_gate_up.double().cpu()[ids.cpu()])
 
 
 def clamped_fraction(x, ids, w_gate_up, limit):
     return (exact_h(x, ids, w_gate_up).abs() > limit).double().mean().item()
-
-
-def clear_limit(args, dtype):
-    """LIMIT, or for a 2-byte dtype a bound near it that no |h| lies within 1% of (bf16 rounds h by <= 0.4%).
-
-    A value on the other side of the bound in the float64 reference than in the kernels' rounded h gets
-    or loses its whole gradient (clamp is a step there), so near-bound values would make the comparison
-    measure rounding luck. With none near the bound, both sides make the same decisions.
-    """
-    if dtype == torch.float32:
-        return LIMIT
-    E = args[3].shape[0]
-    h = exact_h(args[0], args[1].clamp(max=E - 1), args[3]).abs().flatten()
-    for step in range(200):
-        limit = reference.limit_in(dtype, LIMIT + 0.002 * step)
-        if not bool(((h - limit).abs() < 0.01 * limit).any()):
-            return limit
-    raise AssertionError("no clear bound near LIMIT for this case")
 
 
 @pytest.mark.parametrize("alpha", [None, ALPHA], ids=["silu", "alpha_gate"])
@@ -134,21 +92,6 @@ def ref64(args, limit, dtype, dy=None, alpha=None):
     return reference.experts_backward(dy.cpu().double(), *cpu, swiglu_limit=lim, glu_alpha=alpha)
 
 
-KERNEL_CASES = {
-    # name: (T, k, E, H, I, dtype, mode)
-    "uneven_fp32": (24, 3, 5, 40, 24, torch.float32, "skewed"),
-    "uneven_bf16": (12, 2, 5, 40, 8, torch.bfloat16, "skewed"),  # few values: a clear bound exists (clear_limit)
-    "ep_sentinels_fp32": (20, 2, 4, 32, 16, torch.float32, "sentinels"),
-}
-
-
-def check(got, want, tol, what):
-    for name, g, r in zip(what, got, want):
-        assert bool(torch.isfinite(g).all()), f"{name}: some element was never written"
-        err = rel_err(g.cpu(), r)
-        assert err < tol, f"{name}: rel. error {err:.2e} >= {tol:.0e}"
-
-
 @pytest.mark.parametrize("alpha", [None, ALPHA], ids=["silu", "alpha_gate"])
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_triton_kernels_match_reference(name, alpha, monkeypatch):
@@ -198,39 +141,6 @@ def test_grouped_mm_path_matches_reference(name, alpha, monkeypatch):
 
 
 # --------------------------------------------------------------------------- pattern and whole models
-
-
-def compare(model, inputs, tmp_path, options=None):
-    """(eager, fused, reports): one training step eagerly and through backend="moe_fuse" (aot_eager inside, more
-    ``options`` if given)."""
-    import json
-
-    eager = families.loss_and_grads(model, inputs)
-    torch._dynamo.reset()
-    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path), **(options or {})}
-    try:
-        fused = families.loss_and_grads(torch.compile(model, backend="moe_fuse", options=options), inputs)
-    finally:
-        torch._dynamo.reset()
-    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("graph_*/report.json"))]
-    return eager, fused, reports
-
-
-def run(name, tmp_path, **overrides):
-    model, inputs = families.build(name, **overrides)
-    return (model, *compare(model, inputs, tmp_path))
-
-
-def assert_same_step(eager, fused, output=False):
-    """Loss (and the output), and every parameter gradient, within the families' tolerance of eager's."""
-    pairs = [("loss", fused[0], eager[0])] + ([("output", fused[1], eager[1])] if output else [])
-    pairs += [(f"grad {n}", fused[3][n], g) for n, g in eager[3].items()]
-    for what, a, b in pairs:
-        assert families.rel_err(a, b) < families.TOLERANCE, what
-
-
-def experts_entries(reports, key):
-    return [e for r in reports for e in r[key] if e["pattern"] == "grouped_mm_experts"]
 
 
 # glm5_next: a graph break inside the layer makes both layers run one compiled graph (one match)
@@ -309,33 +219,6 @@ def test_checkpointed_layers_keep_the_limit_and_recompute_h(tmp_path):
                        r"'silu\(swiglu_limit=([0-9.]+)\)'\)", after)
     assert calls == [("False", "0.05")] * 2, calls
     assert_same_step(eager, fused)
-
-
-def eager_interface_step(model, inputs):
-    """One training step with ``model.set_experts_implementation("moe_fuse")`` (no torch.compile), a fallback to
-    transformers' forward being an error: (its loss and gradients, each experts op call's Epilogue).
-    Shared by the gate tests."""
-    import warnings
-
-    import moe_fuse
-    from torch.overrides import TorchFunctionMode
-
-    moe_fuse.register_experts_implementation()
-    model.set_experts_implementation("moe_fuse")
-    gates = []
-
-    class Spy(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.moe_fuse.experts.default, torch.ops.moe_fuse.experts):
-                encoded = args[6] if len(args) > 6 else (kwargs or {}).get("epilogue", "silu")
-                gates.append(Epilogue.decode(encoded))
-            return func(*args, **(kwargs or {}))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a proven gate does not fall back
-        with Spy():
-            fused = families.loss_and_grads(model, inputs)
-    return fused, gates
 
 
 def test_eager_experts_implementation_passes_the_limit():

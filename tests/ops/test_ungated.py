@@ -20,11 +20,9 @@ import torch.nn.functional as F  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 from support import families  # noqa: E402
-from test_kernels_forward import DEVICE, make_case, poisoned_buffers, rel_err  # noqa: E402
-from test_ops import random_case  # noqa: E402
-from test_swiglu_limit import (  # noqa: E402
-    KERNEL_CASES, TOL, assert_same_step, check, eager_interface_step, experts_entries, run,
-)
+from support.cases import DEVICE, make_case, poisoned_buffers, random_case, rel_err  # noqa: E402
+from support.epilogues import KERNEL_CASES, TOL, check  # noqa: E402
+from support.steps import assert_same_step, eager_interface_step, experts_entries, run  # noqa: E402
 
 import moe_fuse.ops  # noqa: E402,F401
 from moe_fuse import config, dispatch  # noqa: E402
@@ -249,7 +247,7 @@ def test_checkpointed_layers_recompute_h(tmp_path):
     "relu2" stays the op's epilogue, and the step is eager's."""
     import re
 
-    from test_swiglu_limit import compare
+    from support.steps import compare
 
     # output_router_logits: its recording hook inside a checkpoint makes Dynamo run the layer eagerly
     model, inputs = families.build("nemotron_h", output_router_logits=False)
