@@ -9,11 +9,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Folders whose tests compile whole models, spawn process groups or run benchmark scripts: ``-m "not slow"``
+# leaves them out for a quick run.
+SLOW_FOLDERS = ("e2e", "distributed", "bench")
+
+
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests skip without CUDA; ``distributed`` is every test under tests/distributed."""
+    """``gpu`` tests skip without CUDA; ``distributed`` is every test under tests/distributed; ``slow`` every test
+    under SLOW_FOLDERS."""
     for item in items:
-        if "/distributed/" in str(item.fspath).replace(os.sep, "/"):
+        folder = os.path.relpath(str(item.fspath), os.path.dirname(__file__)).split(os.sep)[0]
+        if folder == "distributed":
             item.add_marker(pytest.mark.distributed)
+        if folder in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
