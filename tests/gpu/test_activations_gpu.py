@@ -25,22 +25,33 @@ GATES = {  # name: (experts' keyword arguments, whether the fused Triton path co
 }
 
 
-@pytest.mark.parametrize("path", ["grouped_mm", "triton"])
-@pytest.mark.parametrize("name", list(GATES))
-def test_gate(name, path, monkeypatch):
-    gate, on_triton = GATES[name]
-    if path == "triton" and not on_triton:
-        pytest.skip("the grouped_mm path alone computes this gate")
-    if path == "grouped_mm":
-        needs_sm90()
+def _case(name):
+    gate, _ = GATES[name]
     case = make_case(4096, ungated=name == "relu2", seed=len(name))
     if name == "bias_interleaved":
         gate = dict(gate, gate_up_bias=torch.randn(E, 2 * I, device="cuda").mul(0.1).bfloat16())
+    return case, gate
+
+
+@pytest.mark.parametrize("name, path", [(name, path) for name, (_, on_triton) in GATES.items()
+                                        for path in (("grouped_mm", "triton") if on_triton else ("grouped_mm",))])
+def test_gate(name, path, monkeypatch):
+    if path == "grouped_mm":
+        needs_sm90()
+    case, gate = _case(name)
     want = ref64(*case, **gate)
     with config.patch(grouped_mm=path == "grouped_mm"):
         with poisoned(monkeypatch):
             got = forward_backward(*case, **gate)
         check(got, want, forward_backward(*case, **gate), loose=CLAMPED if "swiglu_limit" in gate else ())
+
+
+@pytest.mark.parametrize("name", [name for name, (_, on_triton) in GATES.items() if not on_triton])
+def test_gate_off_the_grouped_mm_path_is_an_error(name):
+    """What only the grouped_mm path computes, asked of the fused Triton path: an error that says so."""
+    case, gate = _case(name)
+    with config.patch(grouped_mm=False), pytest.raises(ValueError, match="run on grouped_mm_path only"):
+        forward_backward(*case, **gate)
 
 
 def test_weights_stored_transposed():
