@@ -121,13 +121,12 @@ def router_on_kernels(x) -> bool:
 class ExpertsPlan:
     """What one experts call runs and keeps. ``forward``: "grouped_mm", "triton" or "reference"; h_rows, rows and
     routing_size: the sizes of the saved h [h_rows, 2I], xs [rows, H] and aw [rows, I], and the int32 routing
-    buffer (0: not kept); ``ragged``: the grouped_mm path's row-ragged GEMMs on the Triton ragged GEMM."""
+    buffer (0: not kept). The grouped_mm path's GEMM choice, ``ragged``, follows from the row count alone."""
 
     forward: str
     h_rows: int = 0
     rows: int = 0
     routing_size: int = 0
-    ragged: bool = False
 
 
 def plan(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = True,
@@ -144,9 +143,9 @@ def plan(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows:
         from .kernels import routing_buffer_size as buffer_size
 
         return ExpertsPlan("grouped_mm" if grouped else "triton", h_rows=S, rows=S if keep_rows and grouped else 0,
-                           routing_size=buffer_size(S, w_gate_up.shape[0]), ragged=grouped and ragged(S))
+                           routing_size=buffer_size(S, w_gate_up.shape[0]))
     return ExpertsPlan(_forward_without_h(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias,
-                                          interleaved), ragged=grouped and ragged(S))
+                                          interleaved))
 
 
 def _forward_without_h(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved) -> str:
@@ -171,8 +170,9 @@ _ONLY_GROUPED_MM = ("gate_up_bias, interleaved gate/up rows, experts without a g
 
 def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = False,
                     swiglu_limit: float | None = None, glu_alpha: float | None = None, activation: str = "silu",
-                    gate_up_bias=None, interleaved: bool = False):
-    """The kernels' forward, on the path ``plan`` picks (never the reference): the result of
+                    gate_up_bias=None, interleaved: bool = False, path: str | None = None):
+    """The kernels' forward, on the path ``plan`` picks (never the reference), or on ``path`` ("grouped_mm" or
+    "triton") when the caller has the plan already (the op): the result of
     ``reference.experts_forward`` (its swiglu_limit, glu_alpha, activation, gate_up_bias, interleaved; the last two
     and the activations without a gate on the grouped_mm path only).
 
@@ -181,16 +181,17 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False,
     None each on the Triton path (whose GEMMs gather and recompute)."""
     from .kernels import forward, grouped_mm_path
 
-    extras = grouped_mm_only(activation, gate_up_bias, interleaved)
-    on_path = save_h or _forward_without_h(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias,
-                                           interleaved) == "grouped_mm"
-    if on_path and uses_grouped_mm(x, ids, w_gate_up, w_down):
+    if path is None:
+        on_path = save_h or _forward_without_h(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias,
+                                               interleaved) == "grouped_mm"
+        path = "grouped_mm" if on_path and uses_grouped_mm(x, ids, w_gate_up, w_down) else "triton"
+    if path == "grouped_mm":
         return grouped_mm_path.experts_forward(
             x, ids, weights, w_gate_up, w_down, save_h=save_h, keep_rows=keep_rows, swiglu_limit=swiglu_limit,
             glu_alpha=glu_alpha, activation=activation, gate_up_bias=gate_up_bias, interleaved=interleaved,
             ragged=ragged(ids.numel()),
         )
-    if extras:
+    if grouped_mm_only(activation, gate_up_bias, interleaved):
         raise ValueError("experts_forward: " + _ONLY_GROUPED_MM + "experts_forward")
     out = forward.experts_forward(x, ids, weights, w_gate_up, w_down, save_h=save_h, swiglu_limit=swiglu_limit,
                                   glu_alpha=glu_alpha, activation=activation)

@@ -195,12 +195,12 @@ def experts(
     lim = ep.kernel_kwargs(gate_up_bias)
     if plan.routing_size:
         y, h, routing, *rows = dispatch.experts_forward(
-            x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=bool(plan.rows), **lim
+            x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=bool(plan.rows), path=plan.forward, **lim
         )
         xs, aw = rows if plan.rows else (_empty(x, x.shape[1]), _empty(w_down, w_down.shape[2]))
         return y, h, xs, routing.buf, aw
     if plan.forward != "reference":  # without save_h
-        y = dispatch.experts_forward(x, ids, weights, w_gate_up, w_down, **lim)
+        y = dispatch.experts_forward(x, ids, weights, w_gate_up, w_down, path=plan.forward, **lim)
         h = _empty(w_gate_up, w_gate_up.shape[1])
     elif save_h:
         y, h = reference.experts_forward(x.contiguous(), ids, weights, w_gate_up, w_down, save_h=True, **lim)
