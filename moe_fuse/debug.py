@@ -1,7 +1,8 @@
 """What the backend did, shown three ways: a debug folder, logging, tlparse.
 
 Per compiled graph the debug folder gets ``before.py`` and ``after.py``
-(readable graph code), ``report.json`` and ``summary.txt``.
+(readable graph code), ``report.json`` and ``summary.txt``, marked as moe_fuse's by a ``.moe_fuse`` file
+beside them. A folder that cannot take the dumps is warned about; the compile goes on without them.
 ``TORCH_LOGS="+moe_fuse"`` logs the summary (INFO) and the graphs (DEBUG);
 ``trace_structured`` artifacts put the same into tlparse.
 """
@@ -14,7 +15,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import warnings
 from dataclasses import dataclass, field
 
@@ -29,7 +29,8 @@ _graph_ids = itertools.count()
 _sinks: list[list] = []  # explain() collects reports here
 _warned: set[str] = set()
 _started_dirs: set[str] = set()  # debug folders this process has written to
-_DUMP_FILES = {"before.py", "after.py", "report.json", "summary.txt"}
+_DUMP_FILES = ("before.py", "after.py", "report.json", "summary.txt")
+_MARK = ".moe_fuse"  # in every folder moe_fuse dumps into; only the dump files of a marked folder are removed
 
 
 @dataclass
@@ -125,26 +126,74 @@ def emit(report: GraphReport, before: str, after: str, debug_dir: str | None):
             "artifact", metadata_fn=lambda name=name: {"name": name, "encoding": "string"}, payload_fn=lambda c=code: c
         )
     if debug_dir:
-        _start_afresh(debug_dir)
-        folder = os.path.join(debug_dir, report.graph)
-        os.makedirs(folder, exist_ok=True)
-        for name, text in (("before.py", before), ("after.py", after), ("report.json", payload),
-                           ("summary.txt", summary + "\n")):
-            with open(os.path.join(folder, name), "w") as f:
-                f.write(text)
-        with open(os.path.join(debug_dir, "summary.txt"), "a") as f:
-            f.write(summary + "\n")
+        files = {"before.py": before, "after.py": after, "report.json": payload, "summary.txt": summary + "\n"}
+        try:
+            _start_afresh(debug_dir)
+            _write_graph(os.path.join(debug_dir, report.graph), files)
+            _append_summary(debug_dir, summary + "\n")
+        except OSError as e:  # dumps are for debugging: they never fail a compile
+            _warn_once(f"moe_fuse: no debug dumps in the debug folder {debug_dir!r} ({type(e).__name__}: {e}); "
+                       f"compiling without them (moe_fuse.debug_dir / $MOE_FUSE_DEBUG_DIR)", key=f"dumps {debug_dir}")
     for sink in _sinks:
         sink.append(report)
+
+
+def _warn_once(message: str, key: str | None = None):
+    """``message`` as a warning, once per ``key`` (default: the message)."""
+    key = key or message
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def _ours(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, _MARK))
+
+
+def _mark(folder: str, names) -> None:
+    path = os.path.join(folder, _MARK)
+    if not os.path.isfile(path):
+        with open(path, "w") as f:
+            f.write(f"moe_fuse wrote {', '.join(names)} in this folder; the first dump of its next run here removes "
+                    f"them and nothing else\n")
+
+
+def _write_graph(folder: str, files: dict):
+    """One graph's dumps into ``folder``: made and marked, or one moe_fuse marked before (an earlier graph of this
+    process, or, in a distributed job, another rank's); a folder of that name moe_fuse did not make is left alone."""
+    try:
+        os.makedirs(folder)
+    except FileExistsError:
+        if not _ours(folder):
+            _warn_once(f"moe_fuse: {folder} was not made by moe_fuse (it holds no {_MARK}): "
+                       f"this graph's dumps are not written into it")
+            return
+    _mark(folder, _DUMP_FILES)
+    for name, text in files.items():
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
+
+
+def _append_summary(debug_dir: str, text: str):
+    path = os.path.join(debug_dir, "summary.txt")
+    if os.path.exists(path) and not _ours(debug_dir):
+        _warn_once(f"moe_fuse: {path} was not written by moe_fuse (no {_MARK} beside it): the graphs' summaries "
+                   f"are not appended to it")
+        return
+    _mark(debug_dir, ("summary.txt",))
+    with open(path, "a") as f:
+        f.write(text)
 
 
 def _start_afresh(debug_dir: str):
     """This process's first dump into ``debug_dir`` removes the dumps an earlier run left there.
 
     Graph numbers restart at graph_000 in every process, so an earlier run's folders would be overwritten
-    or, past this run's last number, mixed in with it, and ``summary.txt`` would list both runs. Only
-    moe_fuse's own files go: ``summary.txt`` and ``graph_NNN`` folders that hold nothing else. In a
-    distributed job nothing goes, since the other ranks may be writing to the same folder."""
+    or, past this run's last number, mixed in with it, and ``summary.txt`` would list both runs. Only what
+    moe_fuse marked as its own goes: the dump files of a ``graph_NNN`` folder holding a ``.moe_fuse`` mark
+    (the folder too, when nothing else is left in it) and ``summary.txt`` beside a mark; anything else stays,
+    also in those folders. In a distributed job nothing goes, since the other ranks may be writing to the
+    same folder."""
     key = os.path.realpath(debug_dir)
     if key in _started_dirs:
         return
@@ -155,14 +204,23 @@ def _start_afresh(debug_dir: str):
     removed = 0
     for name in sorted(os.listdir(debug_dir)):
         path = os.path.join(debug_dir, name)
-        if re.fullmatch(r"graph_\d{3,}", name) and os.path.isdir(path) and set(os.listdir(path)) <= _DUMP_FILES:
-            shutil.rmtree(path)
+        if re.fullmatch(r"graph_\d{3,}", name) and os.path.isdir(path) and _ours(path):
+            _remove_files(path, _DUMP_FILES)
+            if os.listdir(path) == [_MARK]:
+                os.remove(os.path.join(path, _MARK))
+                os.rmdir(path)
             removed += 1
-    summary = os.path.join(debug_dir, "summary.txt")
-    if os.path.isfile(summary):
-        os.remove(summary)
+    if _ours(debug_dir):
+        _remove_files(debug_dir, ("summary.txt",))
     if removed:
-        log.info("moe_fuse: removed %d graph folder(s) of an earlier run from %s", removed, debug_dir)
+        log.info("moe_fuse: removed the dumps of %d graph(s) of an earlier run from %s", removed, debug_dir)
+
+
+def _remove_files(folder: str, names):
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.remove(path)
 
 
 # --------------------------------------------------------------------------- explain

@@ -71,14 +71,14 @@ DEBUG_DIR_SCRIPT = textwrap.dedent(
 def test_debug_dir_holds_this_run_only(tmp_path):
     """A second run into the same folder replaces the first run's dumps (graph numbers restart in every
     process) and leaves everything else there alone."""
-    stale = {"graph_000": ["before.py", "summary.txt"], "graph_007": ["report.json"]}  # an earlier, longer run
-    for name, files in stale.items():
+    stale = {"graph_000": ["before.py", "summary.txt"], "graph_001": ["before.py"], "graph_007": ["report.json"]}
+    for name, files in stale.items():  # an earlier, longer run, its folders marked as moe_fuse's
         (tmp_path / name).mkdir()
-        for f in files:
+        for f in [*files, ".moe_fuse"]:
             (tmp_path / name / f).write_text("stale")
     (tmp_path / "summary.txt").write_text("moe_fuse graph_007 stale\n")
-    (tmp_path / "graph_001").mkdir()
-    (tmp_path / "graph_001" / "mine.txt").write_text("a user's file")  # not only our files: kept
+    (tmp_path / ".moe_fuse").write_text("stale")
+    (tmp_path / "graph_001" / "mine.txt").write_text("a user's file")  # not ours, in a folder of ours: kept
     (tmp_path / "notes.txt").write_text("a user's file")
 
     script = DEBUG_DIR_SCRIPT.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), debug_dir=str(tmp_path))
@@ -90,7 +90,7 @@ def test_debug_dir_holds_this_run_only(tmp_path):
     graphs = [line.split()[1] for line in summary.splitlines() if line.startswith("moe_fuse graph_")]
     assert graphs == [f"graph_{i:03d}" for i in range(len(graphs))] and 2 <= len(graphs) < 7, summary
     assert "layers.1.mlp.experts" in summary  # the second compile's graph is there too
-    assert sorted(p.name for p in tmp_path.iterdir()) == [*graphs, "notes.txt", "summary.txt"]  # graph_007 gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".moe_fuse", *graphs, "notes.txt", "summary.txt"]  # 007 gone
     for g in graphs:
         assert "stale" not in (tmp_path / g / "before.py").read_text()
         assert (tmp_path / g / "report.json").exists()
@@ -105,6 +105,8 @@ def test_debug_dir_left_alone_in_a_distributed_job(tmp_path, monkeypatch):
     (tmp_path / "graph_000").mkdir()
     (tmp_path / "graph_000" / "report.json").write_text("another rank's")
     (tmp_path / "summary.txt").write_text("another rank's")
+    for folder in (tmp_path, tmp_path / "graph_000"):
+        (folder / ".moe_fuse").write_text("moe_fuse's")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(debug, "_started_dirs", set())
@@ -114,4 +116,4 @@ def test_debug_dir_left_alone_in_a_distributed_job(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)  # one rank: its own folder
     monkeypatch.setattr(debug, "_started_dirs", set())
     debug._start_afresh(str(tmp_path))
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [tmp_path / ".moe_fuse"]
