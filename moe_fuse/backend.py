@@ -21,10 +21,14 @@ from . import config, debug
 from .pipeline import run_passes
 
 
-def parse_options(options: dict | None) -> tuple[dict, dict]:
-    """(the settings of this compile: every ``config`` value with the compile's options applied and debug_dir
-    resolved, the options left for Inductor)."""
+def parse_options(options: dict | None, mode: str | None = None) -> tuple[dict, dict]:
+    """(the settings of this compile: every ``config`` value with the compile's options and ``mode`` (torch.compile's
+    ``mode=``, the same as ``moe_fuse.mode``) applied and debug_dir resolved, the options left for Inductor)."""
     ours, rest = config.from_options(options)
+    if mode is not None:
+        if ours.get("mode", mode) != mode:
+            raise ValueError(f"mode={mode!r} and moe_fuse.mode={ours['mode']!r}: give one")
+        ours.update(config._checked({"mode": mode}, prefix=""))
     settings = {**config.values(), **ours}
     if settings["debug_dir"] is None:
         settings["debug_dir"] = os.environ.get("MOE_FUSE_DEBUG_DIR") or None
@@ -32,6 +36,8 @@ def parse_options(options: dict | None) -> tuple[dict, dict]:
         settings["debug_dir"] = os.fspath(settings["debug_dir"])
     if rest and settings["inner"] != "inductor":
         raise ValueError(f"options {sorted(rest)} are for Inductor, but moe_fuse.inner={settings['inner']!r}")
+    if settings["mode"] not in (None, "default") and settings["inner"] != "inductor":
+        raise ValueError(f"mode={settings['mode']!r} is an Inductor mode, but moe_fuse.inner={settings['inner']!r}")
     return settings, rest
 
 
@@ -84,7 +90,8 @@ def _tagged_inner(tag: str):
 
 
 def inner_compile(gm, example_inputs, mode: str | None, inductor_options: dict):
-    """Compile the rewritten graph with ``config.inner``, every cache keyed by ``cache_tag()`` as it is now."""
+    """Compile the rewritten graph with ``config.inner``, every cache keyed by ``cache_tag()`` as it is now; Inductor
+    gets ``mode``'s settings and then ``inductor_options``, as torch.compile(mode=..., options=...) would give them."""
     if config.inner == "eager":
         return gm.forward
     tag = cache_tag()
@@ -102,16 +109,14 @@ def inner_compile(gm, example_inputs, mode: str | None, inductor_options: dict):
 
 
 def moe_fuse_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):
-    settings, inductor_options = parse_options(options)
-    if mode is not None and settings["inner"] != "inductor":
-        raise ValueError(f"mode={mode!r} is an Inductor mode, but moe_fuse.inner={settings['inner']!r}")
+    settings, inductor_options = parse_options(options, mode)
     with config.patch(settings):
         report = debug.new_report()
         before = debug.graph_code(gm)
         run_passes(gm, example_inputs, report)
         after = debug.graph_code(gm)
         debug.emit(report, before, after, config.debug_dir)
-        return inner_compile(gm, example_inputs, mode, inductor_options)
+        return inner_compile(gm, example_inputs, config.mode, inductor_options)
 
 
 def explain(model, *args, options: dict | None = None, **kwargs) -> debug.Explanation:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's mode=
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ SETTINGS: dict[str, Setting] = {
     # ---- the backend: what a compile does
     "inner": Setting("inductor", "what compiles the rewritten graph", lambda v: v in INNER_BACKENDS,
                      f"one of {', '.join(INNER_BACKENDS)}", option=True),
+    "mode": Setting(None, "Inductor's mode for the rewritten graph, as torch.compile's mode= (which takes no "
+                    "options with it); torch.compile(mode=...) sets it too", lambda v: v is None or v in MODES,
+                    f"one of {', '.join(map(repr, MODES))} or None", option=True),
     "debug_dir": Setting(None, "folder for the dumps (None: $MOE_FUSE_DEBUG_DIR, else no dumps)",
                          lambda v: v is None or isinstance(v, (str, os.PathLike)), "a folder path or None",
                          option=True),
@@ -94,6 +98,7 @@ SETTINGS: dict[str, Setting] = {
 
 # The current values; ``patch`` changes them. Kept as plain module attributes: the ops read some on every call.
 inner: str = "inductor"
+mode: str | None = None
 debug_dir: str | None = None
 verify: bool = True
 causal_sdpa: bool = True

@@ -101,3 +101,97 @@ def test_inner_compile_tags_the_compile_caches(monkeypatch, user_tag):
     assert tag.startswith("moe_fuse-") and len(tag) == len("moe_fuse-") + 16 + 1 + 12  # sources, settings
     want = f"{user_tag}+{tag}" if user_tag else tag
     assert seen == [want, (want, {"is_backward": True})]
+
+
+def inductor_config(mode, options=None):
+    """What torch.compile(mode=..., options=...) gives Inductor's compile_fx (it refuses both at once for a
+    backend other than Inductor)."""
+    wrapper = torch._TorchCompileInductorWrapper(mode, None, None)
+    wrapper.apply_options(options)
+    return wrapper.config
+
+
+@pytest.mark.parametrize("mode", config.MODES)
+@pytest.mark.parametrize("given", ["moe_fuse.mode", "mode="])
+def test_mode_reaches_inductor_as_torch_compile_gives_it(monkeypatch, mode, given):
+    """moe_fuse.mode, or torch.compile's own mode= with no options (as before), gives the inner Inductor compile
+    the settings torch.compile(mode=...) gives Inductor, and the compile's report says so."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    from moe_fuse import debug
+
+    seen = []
+
+    def fake_compile_fx(model_, example_inputs_, inner_compile=None, config_patches=None):
+        seen.append(config_patches or {})
+        return model_.forward
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", fake_compile_fx)
+    torch._dynamo.reset()
+    kwargs = {"options": {"moe_fuse.mode": mode}} if given == "moe_fuse.mode" else {"mode": mode}
+    with debug.collect_reports() as reports:
+        out = torch.compile(lambda x: x * 2, backend="moe_fuse", **kwargs)(torch.ones(3))
+    torch._dynamo.reset()
+    assert torch.equal(out, torch.full((3,), 2.0))
+    assert seen == [inductor_config(mode)]
+    assert [r.settings["mode"] for r in reports] == [None if given == "mode=" and mode == "default" else mode]
+    assert config.mode is None
+
+
+def test_mode_with_inductor_options(monkeypatch):
+    """The mode's settings first, the compile's Inductor options over them, as torch.compile's own Inductor."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    seen = []
+    monkeypatch.setattr(compile_fx_module, "compile_fx", lambda model_, example_inputs_, inner_compile=None,
+                        config_patches=None: seen.append(config_patches) or model_.forward)
+    torch._dynamo.reset()
+    options = {"moe_fuse.mode": "max-autotune", "coordinate_descent_tuning": False}
+    torch.compile(lambda x: x + 1, backend="moe_fuse", options=options)(torch.ones(3))
+    torch._dynamo.reset()
+    assert seen == [inductor_config("max-autotune", {"coordinate_descent_tuning": False})]
+    assert seen == [{"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": False}]
+
+
+def test_reduce_overhead_is_in_effect_in_the_inner_compile(monkeypatch):
+    """Inductor's real compile: its per-graph compile runs with CUDA graphs on (skipped on the CPU) and the
+    compiled graph computes the same."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    real, seen = compile_fx_module.compile_fx_inner, []
+
+    def spy(gm, example_inputs, **kwargs):
+        seen.append(torch._inductor.config.triton.cudagraphs)
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx_inner", spy)
+    torch._dynamo.reset()
+    x = torch.randn(4, 8)
+    compiled = torch.compile(lambda x: torch.relu(x) * 3, backend="moe_fuse", options={"moe_fuse.mode": "reduce-overhead"})
+    torch.testing.assert_close(compiled(x), torch.relu(x) * 3)
+    torch._dynamo.reset()
+    assert seen == [True]
+    assert torch._inductor.config.triton.cudagraphs is False
+
+
+@pytest.mark.parametrize("options, mode, message", [
+    ({"moe_fuse.mode": "fast"}, None, "moe_fuse.mode='fast'; expected one of 'default', 'reduce-overhead', "
+                                      "'max-autotune', 'max-autotune-no-cudagraphs' or None"),
+    ({}, "fast", "^mode='fast'; expected one of 'default', 'reduce-overhead', 'max-autotune', "
+                 "'max-autotune-no-cudagraphs' or None"),
+    ({"moe_fuse.mode": "max-autotune"}, "reduce-overhead",
+     "mode='reduce-overhead' and moe_fuse.mode='max-autotune': give one"),
+    ({"moe_fuse.mode": "reduce-overhead", "moe_fuse.inner": "aot_eager"}, None,
+     "mode='reduce-overhead' is an Inductor mode, but moe_fuse.inner='aot_eager'"),
+])
+def test_bad_modes(options, mode, message):
+    with pytest.raises(ValueError, match=message):
+        parse_options(options, mode)
+
+
+def test_bad_mode_reaches_the_user_through_torch_compile():
+    torch._dynamo.reset()
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="moe_fuse", mode="fast")
+    with pytest.raises(Exception, match="mode='fast'; expected one of 'default', 'reduce-overhead'"):
+        compiled(torch.randn(2, 4))
+    torch._dynamo.reset()
