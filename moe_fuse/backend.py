@@ -112,6 +112,7 @@ def moe_fuse_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | No
     settings, inductor_options = parse_options(options, mode)
     with config.patch(settings):
         report = debug.new_report()
+        debug.note_eager_checkpoints(report)
         before = debug.graph_code(gm)
         run_passes(gm, example_inputs, report)
         after = debug.graph_code(gm)

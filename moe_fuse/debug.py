@@ -30,6 +30,7 @@ _sinks: list[list] = []  # explain() collects reports here
 _warned: set[str] = set()
 _started_dirs: set[str] = set()  # debug folders this process has written to
 _DUMP_FILES = ("before.py", "after.py", "report.json", "summary.txt")
+_ADVICE = ("eager_experts_loop", "eager_checkpoint")  # rejections also warned about, once per reason
 _MARK = ".moe_fuse"  # in every folder moe_fuse dumps into; only the dump files of a marked folder are removed
 
 
@@ -63,7 +64,7 @@ class GraphReport:
     def reject(self, pattern: str, reason: str, where: str, node=None, notes=()):
         """``notes``: what the pattern noted about a candidate that verification then turned down."""
         self.rejected.append({"pattern": pattern, "reason": reason, "where": _where(where, node), "notes": list(notes)})
-        if pattern == "eager_experts_loop" and reason not in _warned:  # once per advice, not per graph
+        if pattern in _ADVICE and reason not in _warned:  # once per advice, not per graph
             _warned.add(reason)
             warnings.warn(f"moe_fuse: {reason}", stacklevel=2)
 
@@ -99,13 +100,40 @@ class GraphReport:
 
 
 def _where(subgraph: str, node) -> str:
-    return f"{subgraph + ':' if subgraph else ''}{describe_node(node)}"
+    return ":".join(part for part in (subgraph, describe_node(node)) if part)
 
 
 def new_report() -> GraphReport:
     compile_id = torch._guards.CompileContext.current_compile_id()
     return GraphReport(graph=f"graph_{next(_graph_ids):03d}", compile_id=str(compile_id or ""),
                        settings=config.values())
+
+
+EAGER_CHECKPOINT_REASON = (
+    "Dynamo ran a region eagerly, without a graph, because it mutates state from outside a higher-order op's body "
+    "(graph break 'HOP: Unsafe side effect', e.g. in a layer under activation checkpointing): moe_fuse never saw "
+    "that code, so nothing in it is fused (results are unchanged). transformers' output_router_logits=True does this "
+    "under gradient checkpointing: its hook appends each layer's router logits to a list outside the checkpoint. "
+    "Set torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True before the first call: Dynamo "
+    "then traces the checkpointed layers, their side effects running in the forward and not again in the "
+    "backward's recomputation (where transformers' hook records nothing in eager either); or pass "
+    "output_router_logits=False."
+)
+_eager_checkpoints_seen = 0
+
+
+def note_eager_checkpoints(report: GraphReport):
+    """Dynamo gives up on a checkpointed region whose body mutates outer state (transformers' router-logits hook)
+    and runs it eagerly: it never reaches the backend. Counted by Dynamo's graph-break counters; each new one since
+    the backend's previous graph goes into this graph's report."""
+    global _eager_checkpoints_seen
+    from torch._dynamo.utils import counters
+
+    seen = sum(n for kind in ("unimplemented", "graph_break") for reason, n in counters[kind].items()
+               if str(reason).startswith("HOP: Unsafe side effect"))
+    if seen > _eager_checkpoints_seen:
+        report.reject("eager_checkpoint", EAGER_CHECKPOINT_REASON, "(no graph)")
+    _eager_checkpoints_seen = seen
 
 
 def graph_code(gm: torch.fx.GraphModule) -> str:

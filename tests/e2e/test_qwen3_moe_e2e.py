@@ -160,3 +160,47 @@ def test_inference_does_not_keep_h(tmp_path):
         got = compile_moe_fuse(model, tmp_path)(input_ids=ids).logits
     assert rel_err(got, want) < TOL[torch.float32]
     assert saved_h_flags(tmp_path) == ["False"]
+
+
+def checkpointed_step_with_router_logits(tmp_path):
+    """(eager, fused): a training step with output_router_logits=True under gradient checkpointing."""
+    model = qwen3_moe(torch.float32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = token_batch()
+    eager = loss_and_grads(model, ids, use_cache=False)
+    return eager, loss_and_grads(compile_moe_fuse(model, tmp_path), ids, use_cache=False)
+
+
+def test_gradient_checkpointing_with_router_logits_says_why(tmp_path, monkeypatch):
+    """The router-logits hook appends to a list outside the checkpoint: Dynamo runs the checkpointed layers
+    eagerly, so no graph holds a MoE block. The report says so and how to have them fused, and so does a warning;
+    the step is eager's."""
+    from moe_fuse import debug
+
+    monkeypatch.setattr(debug, "_warned", set())
+    with pytest.warns(UserWarning, match=r"skip_fwd_side_effects_in_bwd_under_checkpoint = True") as caught:
+        eager, fused = checkpointed_step_with_router_logits(tmp_path)
+    assert sum("moe_fuse: Dynamo ran a region eagerly" in str(w.message) for w in caught) == 1
+    assert_parity(eager, fused, torch.float32)
+    every = reports(tmp_path)
+    assert [m for r in every for m in r["matches"]] == []
+    assert [x for r in every for x in r["rejected"]] == [
+        {"pattern": "eager_checkpoint", "reason": debug.EAGER_CHECKPOINT_REASON, "where": "(no graph)", "notes": []}]
+    assert "transformers' output_router_logits=True does this under gradient checkpointing" in debug.EAGER_CHECKPOINT_REASON
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "unfused  eager_checkpoint       at (no graph): Dynamo ran a region eagerly, without a graph" in summary
+
+
+def test_gradient_checkpointing_with_router_logits_fused_under_dynamos_switch(tmp_path):
+    """What the report advises: with Dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint the checkpointed
+    layers are graphs and fused, with eager's loss, aux loss and gradients (transformers' hook records nothing in
+    the backward's recomputation in eager either)."""
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        eager, fused = checkpointed_step_with_router_logits(tmp_path)
+    assert eager[2] is not None
+    assert_parity(eager, fused, torch.float32)
+    (report,) = [r for r in reports(tmp_path) if r["matches"]]
+    assert_all_blocks_fused(report, where="wrap_body")
+    assert all(r["rejected"] == [] for r in reports(tmp_path))
+    assert saved_h_flags(tmp_path) == ["False", "False"]
