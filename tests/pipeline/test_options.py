@@ -184,6 +184,8 @@ def test_reduce_overhead_is_in_effect_in_the_inner_compile(monkeypatch):
      "mode='reduce-overhead' and moe_fuse.mode='max-autotune': give one"),
     ({"moe_fuse.mode": "reduce-overhead", "moe_fuse.inner": "aot_eager"}, None,
      "mode='reduce-overhead' is an Inductor mode, but moe_fuse.inner='aot_eager'"),
+    ({"mode": "reduce-overhead"}, None,  # not Inductor's option: torch.compile's mode= is moe_fuse.mode here
+     r"option\(s\) \['mode'\] look like moe_fuse's; moe_fuse options take the prefix 'moe_fuse.' \(moe_fuse.mode\)"),
 ])
 def test_bad_modes(options, mode, message):
     with pytest.raises(ValueError, match=message):
