@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """A training step of a whole model: transformers' Qwen3MoeForCausalLM with Qwen3-30B-A3B's layer shapes, eager
-vs Inductor vs moe_fuse, with and without activation checkpointing.
+vs Inductor vs moe_fuse, with and without activation checkpointing, fed as users feed it: no attention mask,
+a tokenizer's all-ones mask, or right padding (10-30% of each row; labels -100 there, as a data collator sets).
 
     python bench/train_step.py [--layers 6] [--tokens 8192] [--seq 8192] [--variants eager,inductor,moe_fuse]
-                               [--ckpt off,on] [--steps 5] [--out DIR]
+                               [--ckpt off,on] [--mask none,ones,pad] [--steps 5] [--out DIR]
     python bench/train_step.py --cpu-smoke     # tiny model on the CPU, Inductor replaced by aot_eager
 
 Per (ckpt, variant): a fresh model from one seed (the same weights), the same token ids (labels = ids), AdamW.
 The first step's wall time (compile), --steps training steps (their losses must agree across variants), then
-forward + backward and the AdamW step timed apart (bench/common.py), tokens/s and the peak memory of the step.
+forward + backward, the AdamW step, and the whole step (zero_grad, forward, backward, AdamW) timed (bench/common.py),
+tokens/s and the peak memory of the step.
 ``moe_fuse:name=value`` runs moe_fuse under ``moe_fuse.config.patch(name=value)``. Writes train_step_<gpu>.{md,json,png}.
 """
 from __future__ import annotations
@@ -84,6 +86,22 @@ def model_flops(cfg, tokens, seq):
     return tokens * (cfg.num_hidden_layers * per_token_layer + 2 * H * V)
 
 
+def batch_inputs(ids, mask):
+    """The model's keyword inputs for one mask kind: none, ones (a tokenizer's mask of an unpadded batch) or pad
+    (right padding: row b keeps 90% down to 70% of its tokens; padded labels are -100, as a collator sets)."""
+    if mask == "none":
+        return dict(input_ids=ids, labels=ids)
+    attention_mask = torch.ones_like(ids)
+    labels = ids.clone()
+    if mask == "pad":
+        batch, seq = ids.shape
+        for b in range(batch):
+            pad = int(seq * (0.1 + 0.2 * b / max(batch - 1, 1)))
+            attention_mask[b, seq - pad:] = 0
+            labels[b, seq - pad:] = -100
+    return dict(input_ids=ids, labels=labels, attention_mask=attention_mask)
+
+
 def run_variant(v, ckpt, cfg, ids, dev, dtype, args, row):
     from moe_fuse.debug import collect_reports
 
@@ -99,10 +117,17 @@ def run_variant(v, ckpt, cfg, ids, dev, dtype, args, row):
         options = {"moe_fuse.inner": "aot_eager"} if args.cpu_smoke else None
         fn = torch.compile(model, backend=common.moe_fuse_backend(v.settings), dynamic=False, options=options)
 
+    inputs = batch_inputs(ids, row["mask"])
+
     def fwd_bwd():
-        loss = fn(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = fn(**inputs, use_cache=False).loss
         loss.backward()
         return loss.detach()
+
+    def whole_step():
+        opt.zero_grad(set_to_none=True)
+        fwd_bwd()
+        opt.step()
 
     torch._dynamo.utils.counters.clear()
     with config.patch(v.settings), collect_reports() as reports:
@@ -126,33 +151,35 @@ def run_variant(v, ckpt, cfg, ids, dev, dtype, args, row):
         fb = common.time_ms(fwd_bwd, dev, grad_to_none=params, power=dev.type == "cuda", **timing)
         row.update(fwdbwd_ms=fb["ms"], fwdbwd_p20=fb["p20"], fwdbwd_p80=fb["p80"], power=fb.get("power"))
         row["adamw_ms"] = common.time_ms(opt.step, dev, **timing)["ms"]
+        row["step_ms"] = common.time_ms(whole_step, dev, **timing)["ms"]
         if dev.type == "cuda":
             opt.zero_grad(set_to_none=True)
             torch.cuda.reset_peak_memory_stats(dev)
             fwd_bwd()
             common.sync(dev)
             row["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30  # weights, grads, AdamW state included
-    row["step_ms"] = row["fwdbwd_ms"] + row["adamw_ms"]
     row["tok_s"] = ids.numel() / (row["fwdbwd_ms"] * 1e-3)
     row["tflops"] = 3 * model_flops(cfg, ids.numel(), ids.shape[1]) / (row["fwdbwd_ms"] * 1e-3) / 1e12
     if v.base != "eager":
         row["compile_s"] = row["first_step_s"] - row["fwdbwd_ms"] * 1e-3
-    print(f"    fwd+bwd {row['fwdbwd_ms']:.2f} ms, AdamW {row['adamw_ms']:.2f} ms, {row['tok_s']:.0f} tok/s, peak "
+    print(f"    fwd+bwd {row['fwdbwd_ms']:.2f} ms, AdamW {row['adamw_ms']:.2f} ms, step {row['step_ms']:.2f} ms, "
+          f"{row['tok_s']:.0f} tok/s, peak "
           f"{common.fmt(row.get('peak_gib'), '.2f')} GiB, losses {row['losses'][0]:.5f} -> {row['losses'][-1]:.5f}"
           + (f", rewrites {row['rewrites']}" if "rewrites" in row else ""), flush=True)
 
 
 def derive(rows, tol):
-    ok = {(r["variant"], r["ckpt"]): r for r in rows if r["status"] == "ok"}
+    ok = {(r["variant"], r["ckpt"], r["mask"]): r for r in rows if r["status"] == "ok"}
     for r in rows:
         if r["status"] != "ok":
             continue
         for peer in ("eager", "inductor"):
-            p = ok.get((peer, r["ckpt"]))
+            p = ok.get((peer, r["ckpt"], r["mask"]))
             r[f"x_{peer}"] = p["fwdbwd_ms"] / r["fwdbwd_ms"] if p else None
-        p = ok.get(("inductor", r["ckpt"]))
+            r[f"step_x_{peer}"] = p["step_ms"] / r["step_ms"] if p else None
+        p = ok.get(("inductor", r["ckpt"], r["mask"]))
         r["mem_vs_inductor"] = r["peak_gib"] / p["peak_gib"] if p and r.get("peak_gib") and p.get("peak_gib") else None
-        ref = ok.get(("eager", r["ckpt"]))
+        ref = ok.get(("eager", r["ckpt"], r["mask"]))
         if ref:
             r["first_loss_rel_diff"] = abs(r["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0])
             r["loss_ok"] = r["first_loss_rel_diff"] <= tol
@@ -164,32 +191,36 @@ def markdown(rows, meta):
     f = common.fmt
     lines = [f"# train_step: Qwen3MoeForCausalLM, {meta['model']} x{meta['layers']} layers, {meta['tokens']} tokens a "
              f"step (batch {meta['batch']} x seq {meta['seq']})", "", common.header(meta), "",
-             f"{meta['params']:,} {meta['dtype']} parameters, AdamW. fwd+bwd: forward with the loss over the "
-             "whole vocabulary, then backward (median); AdamW timed apart. x eager / x inductor: their fwd+bwd ms / "
-             "this one's, same ckpt. peak: the most memory allocated during fwd+bwd (weights, gradients and AdamW "
+             f"{meta['params']:,} {meta['dtype']} parameters, torch's fused AdamW. mask: none, ones (a tokenizer's "
+             "mask of an unpadded batch) or pad (right padding, 10-30% of each row). fwd+bwd: forward with the loss "
+             "over the whole vocabulary, then backward (median); AdamW timed apart; step: zero_grad, forward, "
+             "backward and AdamW timed together. x eager / x inductor: their ms / this one's, same ckpt and mask "
+             "(fwd+bwd; step). peak: the most memory allocated during fwd+bwd (weights, gradients and AdamW "
              "state included). compile: the first step's wall time less a step. loss diff: the first loss against "
              "eager's, relative.", ""]
     table = []
     for r in rows:
         if r["status"] not in ("ok", "FAIL"):
-            table.append([r["ckpt"], r["variant"], r["status"], (r.get("error") or "")[:120]] + [None] * 9)
+            table.append([r["mask"], r["ckpt"], r["variant"], r["status"], (r.get("error") or "")[:120]] + [None] * 11)
             continue
-        table.append([r["ckpt"], r["variant"], r["status"], f(r["fwdbwd_ms"], ".2f"), f(r["adamw_ms"], ".2f"),
-                      f(r["tok_s"], ".0f"), f(r["tflops"], ".3g"), f(r.get("peak_gib"), ".2f"), f(r.get("x_eager"), ".2f"),
-                      f(r.get("x_inductor"), ".2f"), f(r.get("mem_vs_inductor"), ".2f"), f(r.get("compile_s"), ".1f"),
+        table.append([r["mask"], r["ckpt"], r["variant"], r["status"], f(r["fwdbwd_ms"], ".2f"),
+                      f(r["adamw_ms"], ".2f"), f(r["step_ms"], ".2f"), f(r["tok_s"], ".0f"), f(r["tflops"], ".3g"),
+                      f(r.get("peak_gib"), ".2f"), f(r.get("x_eager"), ".2f"), f(r.get("x_inductor"), ".2f"),
+                      f(r.get("step_x_inductor"), ".2f"), f(r.get("mem_vs_inductor"), ".2f"), f(r.get("compile_s"), ".1f"),
                       f(r.get("first_loss_rel_diff"), ".1e")])
-    lines.append(common.md_table(["ckpt", "variant", "status", "fwd+bwd ms", "AdamW ms", "tok/s", "TFLOP/s", "peak GiB",
-                                  "x eager", "x inductor", "mem / inductor", "compile s", "loss diff"], table))
+    lines.append(common.md_table(["mask", "ckpt", "variant", "status", "fwd+bwd ms", "AdamW ms", "step ms", "tok/s",
+                                  "TFLOP/s", "peak GiB", "x eager", "x inductor", "step x inductor", "mem / inductor",
+                                  "compile s", "loss diff"], table))
     ok = [r for r in rows if r.get("losses")]
     if ok:
         n = max(len(r["losses"]) for r in ok)
         lines += ["", "Loss after each step (step 0: before any AdamW update):", "",
-                  common.md_table(["ckpt", "variant"] + [str(i) for i in range(n)],
-                                  [[r["ckpt"], r["variant"]] + [f"{x:.4f}" for x in r["losses"]] for r in ok])]
+                  common.md_table(["mask", "ckpt", "variant"] + [str(i) for i in range(n)],
+                                  [[r["mask"], r["ckpt"], r["variant"]] + [f"{x:.4f}" for x in r["losses"]] for r in ok])]
     rewritten = [r for r in rows if r.get("rewrites") is not None]
     if rewritten:
-        lines += ["", "moe_fuse rewrites: " + "; ".join(f"{r['variant']} ckpt {r['ckpt']}: {r['rewrites'] or 'none'}"
-                                                     for r in rewritten)]
+        lines += ["", "moe_fuse rewrites: " + "; ".join(
+            f"{r['variant']} mask {r['mask']} ckpt {r['ckpt']}: {r['rewrites'] or 'none'}" for r in rewritten)]
     return "\n".join(lines)
 
 
@@ -199,10 +230,11 @@ def plot(rows):
     def draw(plt):
         mem = any(r.get("peak_gib") for r in ok)
         fig, axes = plt.subplots(1, 1 + mem, figsize=(6 * (1 + mem), 4.5), squeeze=False)
-        labels = [f"{r['variant']}\nckpt {r['ckpt']}" for r in ok]
+        labels = [f"{r['variant']}\n{r['mask']}, ckpt {r['ckpt']}" for r in ok]
         ax = axes[0][0]
         bars = ax.bar(range(len(ok)), [r["fwdbwd_ms"] for r in ok], label="fwd+bwd")
-        ax.bar(range(len(ok)), [r["adamw_ms"] for r in ok], bottom=[r["fwdbwd_ms"] for r in ok], label="AdamW")
+        ax.bar(range(len(ok)), [r["step_ms"] - r["fwdbwd_ms"] for r in ok], bottom=[r["fwdbwd_ms"] for r in ok],
+               label="rest of the step (AdamW, zero_grad)")
         ax.bar_label(bars, [f"{r['fwdbwd_ms']:.0f}" for r in ok], label_type="center", fontsize=7)
         ax.set_xticks(range(len(ok)), labels, fontsize=7)
         ax.set_ylabel("ms per step (median)")
@@ -225,6 +257,7 @@ def parse_args(argv=None):
     ap.add_argument("--variants", default="eager,inductor,moe_fuse",
                     help="of eager, inductor, moe_fuse; moe_fuse:name=value[:name=value] under those moe_fuse.config settings")
     ap.add_argument("--ckpt", default="off,on", help="activation checkpointing: off, on or off,on")
+    ap.add_argument("--mask", default="none", help="attention mask: of none, ones, pad (comma-separated)")
     ap.add_argument("--steps", type=int, default=5, help="training steps after the first (their losses are compared)")
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="skip the variants that would end past this many seconds (0: no limit)")
@@ -243,6 +276,9 @@ def parse_args(argv=None):
     args.ckpt = [c for c in args.ckpt.split(",") if c]
     if set(args.ckpt) - {"off", "on"}:
         ap.error("--ckpt takes off, on or off,on")
+    args.mask = [m for m in args.mask.split(",") if m]
+    if not args.mask or set(args.mask) - {"none", "ones", "pad"}:
+        ap.error("--mask takes none, ones, pad, comma-separated")
     return args
 
 
@@ -271,16 +307,16 @@ def main(argv=None):
     rows, t_start, took = [], time.monotonic(), {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("SIGTERM: writing what was measured"))
     try:
-        for ckpt in args.ckpt:
+        for mask, ckpt in [(m, c) for m in args.mask for c in args.ckpt]:
             for v in args.variants:
-                row = dict(variant=v.name, settings=v.settings, ckpt=ckpt, status="ok")
+                row = dict(variant=v.name, settings=v.settings, mask=mask, ckpt=ckpt, status="ok")
                 rows.append(row)
                 used = time.monotonic() - t_start
                 guess = took.get(v.name, max(took.values(), default=0.0))
                 if args.budget_s and used + guess > args.budget_s:
                     row.update(status="skipped", error=f"budget: {used:.0f} s used, next about {guess:.0f} s")
                     continue
-                print(f"\n=== {v.name} ckpt {ckpt} ({used:.0f} s in)", flush=True)
+                print(f"\n=== {v.name} mask {mask} ckpt {ckpt} ({used:.0f} s in)", flush=True)
                 t0 = time.monotonic()
                 try:
                     run_variant(v, ckpt == "on", cfg, ids, dev, dtype, args, row)

@@ -18,7 +18,7 @@ The kernel paths (docs/kernels.md):
     "reference"   reference.py in PyTorch: CPU, and inputs the kernels do not take.
 
 ``experts_forward`` and ``experts_backward`` below run the kernel paths directly (the tests and benchmarks call
-them); the op runs ``plan``'s choice.
+them); the op runs ``plan``'s choice. ``padded_attention_applies`` decides the attention-mask rewrite's kernel.
 """
 
 from __future__ import annotations
@@ -127,6 +127,22 @@ class ExpertsPlan:
     h_rows: int = 0
     rows: int = 0
     routing_size: int = 0
+
+
+def padded_attention_applies(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """The attention-mask rewrite of a causal mask with key padding: None where
+    ``attention.causal_padded_attention`` (FlexAttention) compiles into fused kernels, forward and backward, for
+    these inputs; else why not (the masked call then stays)."""
+    if q.device.type != "cuda":
+        return f"FlexAttention's compiled backward needs a GPU (the query is on {q.device.type})"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"FlexAttention does not take {q.dtype}"
+    d = q.shape[-1]
+    if not isinstance(d, int) or d < 16 or d & (d - 1):
+        return f"head size {d} is not a power of two from 16 up"
+    if q.shape[1] % k.shape[1]:
+        return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key / value heads"
+    return None
 
 
 def plan(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows: bool = True,

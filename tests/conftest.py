@@ -37,3 +37,13 @@ def pytest_configure(config):
         from moe_fuse.backend import moe_fuse_backend
 
         register_backend(name="moe_fuse", compiler_fn=moe_fuse_backend)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles afresh: Dynamo's per-function cache (8 entries) would otherwise fill across tests that
+    compile the same model code, and a full cache runs the function uncompiled, silently."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield

@@ -28,11 +28,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .. import config
+import operator
+
+from .. import attention, config, dispatch
 from ..pipeline.candidate import GraphRewrite
 from ..pipeline.graph import is_op, meta_value
 
 NAME = "causal_sdpa_mask"
+PADDED = "causal_padded_sdpa_mask"
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 
 
@@ -98,6 +101,122 @@ def _why_not_causal(mask, q, k) -> str | None:
     if not torch.equal(mask, causal.expand_as(mask)):
         return "the mask is not the plain causal mask (padding, sliding window or packed sequences)"
     return None
+
+
+_AND = (operator.and_, torch.logical_and, torch.bitwise_and, torch.Tensor.__and__, torch.Tensor.logical_and,
+         torch.Tensor.bitwise_and)
+_AND_METHODS = ("__and__", "logical_and", "bitwise_and", "__rand__")
+
+
+def _is_bool(node) -> bool:
+    value = meta_value(node)
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bool
+
+
+def _and_factors(node: fx.Node, outer: dict) -> list[fx.Node]:
+    """The operands of the tree of boolean ANDs that computes ``node``, through broadcasts (``expand``), device
+    moves and copies of a bool tensor, and out of a HOP body (``outer``). A node that is none of those is one
+    factor."""
+    if node.op == "placeholder" and node in outer:
+        return _and_factors(outer[node], outer)
+    if not _is_bool(node):
+        return [node]
+    if node.op == "call_function" and node.target in _AND or node.op == "call_method" and node.target in _AND_METHODS:
+        operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if len(operands) == 2 and not node.kwargs and all(_is_bool(a) for a in operands):
+            return _and_factors(operands[0], outer) + _and_factors(operands[1], outer)
+        return [node]
+    if is_op(node, "expand", "contiguous", "clone") or is_op(node, "to") and not [
+            a for a in list(node.args[1:]) + list(node.kwargs.values())
+            if not isinstance(a, torch.device) and a != torch.bool and a is not False]:
+        source = node.args[0] if node.args else None
+        if isinstance(source, fx.Node) and _is_bool(source):
+            return _and_factors(source, outer)
+    return [node]
+
+
+def _why_not_padded(mask: fx.Node, q, k, outer: dict) -> str | None:
+    """None when ``mask`` is provably ``causal AND key_padding``: mask[b, 0, i, j] = (j <= i) & P[b, j].
+
+    The proof: the mask is an AND of factors (``_and_factors``); those that read no graph input are constants,
+    evaluated here, and their AND must be the plain causal mask; every other factor has size 1 along the head and
+    the query axes, so it cannot depend on anything but the batch row and the key position, whatever computes
+    it (a tokenizer's attention_mask, all ones or padded on either side). Then row L - 1 of the mask, where the
+    causal part is all True, is the key padding itself.
+    """
+    value = meta_value(mask)
+    L, S = q.shape[-2], k.shape[-2]
+    if L != S:
+        return f"query length {L} != key length {S}"
+    if not _is_bool(mask) or value.dim() != 4 or value.shape[1] != 1 or tuple(value.shape[-2:]) != (L, S):
+        return f"mask {getattr(value, 'dtype', None)} {tuple(getattr(value, 'shape', ()))} is not bool [B, 1, {L}, {S}]"
+    constants, padding = [], []
+    for factor in _and_factors(mask, outer):
+        known, why = _constant_value(factor, outer)
+        if why is None:
+            constants.append(known)
+            continue
+        shape = getattr(meta_value(factor), "shape", None)
+        if shape is None or len(shape) != 4 or shape[1] != 1 or shape[2] != 1 or shape[3] != S:
+            return f"{factor.name} {tuple(shape or ())} varies along the query axis: not a key padding"
+        padding.append(factor)
+    if not constants:
+        return "no constant causal part in the mask"
+    causal = constants[0]
+    for more in constants[1:]:
+        causal = causal & more
+    if not isinstance(causal, torch.Tensor) or causal.dtype != torch.bool or causal.dim() > 4:
+        return "the mask's constant part is not a bool tensor"
+    causal = causal.reshape((1,) * (4 - causal.dim()) + tuple(causal.shape))
+    if causal.shape[1] != 1 or tuple(causal.shape[-2:]) != (L, S):
+        return f"the mask's constant part {tuple(causal.shape)} is not [B, 1, {L}, {S}]"
+    tril = torch.ones(L, S, dtype=torch.bool, device=causal.device).tril()
+    if not torch.equal(causal, tril.expand_as(causal)):
+        return "the mask's constant part is not the plain causal mask (sliding window or packed sequences)"
+    return None
+
+
+def _rewrite_padded(node: fx.Node, mask: fx.Node, q: torch.Tensor, k: torch.Tensor) -> dict | str:
+    """Replace the masked SDPA call by ``attention.causal_padded_attention`` on the mask's last query row;
+    returns the report's detail, or why the call stays."""
+    why = dispatch.padded_attention_applies(q, k)
+    if why is not None:
+        return why
+    dropout = node.kwargs.get("dropout_p", 0.0)
+    if dropout != 0.0:
+        return f"attention dropout {dropout}"
+    scale = node.kwargs.get("scale")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if not isinstance(scale, (int, float)):
+        return f"the scale {scale!r} is not a number"
+    graph = node.graph
+    key, value = node.args[1], node.args[2]
+    info = {"query_length": q.shape[-2], "kernel": "flex_attention"}
+    if config.causal_sdpa_grouped_heads and "enable_gqa" not in node.kwargs and key is not value:
+        src = [_repeat_kv_source(key), _repeat_kv_source(value)]
+        if None not in src and src[0][1] == src[1][1]:
+            key, value = src[0][0], src[1][0]
+            info["gqa_group"] = src[0][1]
+    with graph.inserting_before(node):
+        key_valid = graph.call_function(operator.getitem, (mask, (slice(None), 0, -1, slice(None))))
+        fused = graph.call_function(attention.causal_padded_attention,
+                                    (node.args[0], key, value, key_valid, float(scale)))
+    fused.meta = dict(node.meta)
+    node.replace_all_uses_with(fused)
+    return info
+
+
+def _erase_call(node: fx.Node):
+    """Erase a replaced SDPA call, and the repeats of its key and value that nothing else reads."""
+    graph, repeated = node.graph, node.args[1:3]
+    graph.erase_node(node)
+    for r in repeated:
+        if _repeat_kv_source(r) is None:
+            continue
+        for n in (r, r.args[0], r.args[0].args[0]):  # reshape <- expand <- x[:, :, None]
+            if not n.users:
+                graph.erase_node(n)
 
 
 def _repeat_kv_source(node) -> tuple[fx.Node, int] | None:
@@ -201,6 +320,15 @@ def rewrite_graph(graph: fx.Graph, report, where: str, outer: dict | None = None
         value, reason = cache[mask]
         if reason is None:
             reason = _why_not_causal(value, q, k)
+        elif config.causal_sdpa_padding:
+            why = _why_not_padded(mask, q, k, outer or {})
+            done = _rewrite_padded(node, mask, q, k) if why is None else f"{reason}; as causal AND key padding: {why}"
+            if isinstance(done, dict):
+                report.rewrite(PADDED, where, node, done)
+                _erase_call(node)
+                changed = True
+                continue
+            reason = f"{reason}; {done}" if why is None else done
         if reason is not None:
             report.reject(NAME, reason, where, node)
             continue

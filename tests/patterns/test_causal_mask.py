@@ -2,15 +2,18 @@
 the key / value heads transformers repeats for it are read unrepeated with enable_gqa=True.
 
 Parity of loss, logits and every gradient with eager, the exact SDPA call after the rewrite, and
-the cases that must stay as they are: a user attention_mask with padding, the option off, one
-key / value head per query head.
+the cases that must stay as they are: the option off, one key / value head per query head. A tokenizer's mask
+(causal AND key padding) becomes one FlexAttention call where FlexAttention compiles (a GPU), with the reason
+where it does not.
 """
 
 import json
 import re
 
+import pytest
 import torch
 
+from moe_fuse import dispatch
 from support.models import loss_and_grads, qwen3_moe, rel_err, token_batch
 
 SDPA_LINE = re.compile(r"= torch\._C\._nn\.scaled_dot_product_attention\((.*)\)")
@@ -67,17 +70,99 @@ def test_one_key_value_head_per_query_head_needs_no_groups(tmp_path):
     assert "gqa_group" not in rewrite
 
 
-def test_padding_mask_is_left_alone(tmp_path):
+def padding_mask(ids, kind):
+    mask = torch.ones_like(ids)
+    if kind == "right":
+        mask[1, -4:] = 0
+    elif kind == "left":  # the second row's first three queries see no key at all
+        mask[1, :3] = 0
+    return mask
+
+
+def test_padding_mask_on_the_cpu_stays_with_the_reason(tmp_path):
+    """A tokenizer's mask is proved causal AND key padding, but FlexAttention's compiled backward needs a GPU: on
+    the CPU the masked call stays, and so do the repeated heads (a masked SDPA takes no groups)."""
     model = qwen3_moe(attn_implementation="sdpa")
     ids = token_batch()
-    attention_mask = torch.ones_like(ids)
-    attention_mask[1, :3] = 0  # left padding in the second row
+    attention_mask = padding_mask(ids, "left")
     eager = loss_and_grads(model, ids, use_cache=False, attention_mask=attention_mask)
     assert_parity(eager, compile_and_run(model, ids, tmp_path, use_cache=False, attention_mask=attention_mask))
-    for call in sdpa_calls(tmp_path):  # a mask stays, and so do the repeated heads (flash takes no mask)
+    for call in sdpa_calls(tmp_path):
         assert "attn_mask = None" not in call and "is_causal = True" not in call and "enable_gqa" not in call, call
     reasons = [r["reason"] for rep in reports(tmp_path) for r in rep["rejected"] if r["pattern"] == "causal_sdpa_mask"]
-    assert reasons and all("reads graph input" in reason for reason in reasons), reasons
+    assert len(reasons) == 2 and all(reason.startswith("the mask reads graph input 'l_kwargs_attention_mask_'")
+                                     and reason.endswith("FlexAttention's compiled backward needs a GPU (the query "
+                                                         "is on cpu)") for reason in reasons), reasons
+
+
+@pytest.mark.parametrize("kind", ["ones", "right", "left"])
+def test_padded_mask_becomes_one_flex_attention_call(tmp_path, monkeypatch, kind):
+    """With the GPU's answer (FlexAttention applies), the masked call becomes attention.causal_padded_attention on
+    the mask's last query row, reading the unrepeated key / value heads: loss, logits (padded positions included)
+    and every gradient as eager's masked SDPA. Inner aot_eager runs FlexAttention's own dense reference."""
+    monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
+    model = qwen3_moe(attn_implementation="sdpa")
+    ids = token_batch()
+    attention_mask = padding_mask(ids, kind)
+    eager = loss_and_grads(model, ids, use_cache=False, attention_mask=attention_mask)
+    assert_parity(eager, compile_and_run(model, ids, tmp_path, use_cache=False, attention_mask=attention_mask))
+    assert sdpa_calls(tmp_path) == []
+    text = "".join(p.read_text() for p in sorted(tmp_path.glob("graph_*/after.py")))
+    calls = re.findall(r"= moe_fuse_attention_causal_padded_attention\((.*)\)", text)
+    assert len(calls) == 2 and "in repeat_kv" not in text
+    for call in calls:  # q, unrepeated k and v, the mask's last query row, the layer's scale
+        assert re.fullmatch(r"q_embed(_\d+)?, k_embed(_\d+)?, value_states(_\d+)?, getitem_\d+, 0\.35355\d*", call), call
+    assert len(re.findall(r"= attention_mask_1\[\(slice\(None, None, None\), 0, -1, slice\(None, None, None\)\)\]",
+                          text)) == 2
+    rewrites = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_padded_sdpa_mask"]
+    assert [(m["query_length"], m["kernel"], m["gqa_group"], m["verified"]) for m in rewrites] == [
+        (12, "flex_attention", 2, "proved")] * 2
+
+
+class _Masked(torch.nn.Module):
+    """SDPA with causal AND ``extra``, an input-dependent factor of the given shape."""
+
+    def __init__(self, window=None):
+        super().__init__()
+        self.window = window
+
+    def forward(self, q, k, v, extra):
+        n = q.shape[-2]
+        i = torch.arange(n)
+        causal = i[None, :] <= i[:, None]
+        if self.window:
+            causal = causal & (i[:, None] - i[None, :] < self.window)
+        mask = (causal[None, None] & extra.bool()).expand(q.shape[0], 1, n, n)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("window, extra_shape, reason", [
+    (None, (2, 1, 7, 7), " (2, 1, 7, 7) varies along the query axis: not a key padding"),
+    (3, (2, 1, 1, 7), "the mask's constant part is not the plain causal mask (sliding window or packed sequences)"),
+])
+def test_masks_that_are_not_causal_and_key_padding_stay(tmp_path, monkeypatch, window, extra_shape, reason):
+    monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
+    q, k, v = (torch.randn(2, 3, 7, 4, requires_grad=True) for _ in range(3))
+    extra = torch.rand(extra_shape) > 0.3
+    extra[..., 0] = True  # every query sees a key
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path)}
+    got = torch.compile(_Masked(window), backend="moe_fuse", options=options)(q, k, v, extra)
+    torch.testing.assert_close(got, _Masked(window)(q, k, v, extra))
+    (call,) = sdpa_calls(tmp_path)
+    assert "attn_mask = None" not in call
+    (rejected,) = [r["reason"] for rep in reports(tmp_path) for r in rep["rejected"]]
+    assert rejected.startswith("the mask reads graph input 'l_extra_'") and rejected.endswith(reason), rejected
+
+
+def test_padding_option_off_keeps_the_mask(tmp_path, monkeypatch):
+    monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
+    model = qwen3_moe(attn_implementation="sdpa", num_hidden_layers=1)
+    ids = token_batch()
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path), "moe_fuse.causal_sdpa_padding": False}
+    loss_and_grads(torch.compile(model, backend="moe_fuse", options=options), ids, use_cache=False,
+                   attention_mask=padding_mask(ids, "right"))
+    (call,) = sdpa_calls(tmp_path)
+    assert "attn_mask = None" not in call
 
 
 def test_option_off_keeps_the_mask(tmp_path):

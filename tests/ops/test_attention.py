@@ -1,0 +1,75 @@
+"""moe_fuse.attention: the block mask built from the key padding lists the tiles torch's create_block_mask lists
+on the dense mask function; and causal_padded_attention equals SDPA with the materialised mask in float64,
+forward and backward, rows that see no key included (zeros)."""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from moe_fuse import attention
+
+
+def key_valid(kind, batch, n, seed=0):
+    valid = torch.ones(batch, n, dtype=torch.bool)
+    if kind == "right":
+        valid[0, n - n // 3:] = False
+        valid[1, n - 1:] = False
+    elif kind == "left":
+        valid[0, : n // 2] = False
+        valid[1, :129] = False
+    elif kind == "random":  # holes anywhere, a whole empty key tile in the first row
+        gen = torch.Generator().manual_seed(seed)
+        valid = torch.rand(batch, n, generator=gen) > 0.2
+        valid[0, 128:256] = False
+    return valid
+
+
+def listed(counts, indices) -> set:
+    """{(b, row, column)}: the tiles a block mask lists for each row (up to its count)."""
+    return {(b, row, int(c)) for b in range(counts.shape[0]) for row in range(counts.shape[-1])
+            for c in indices[b, 0, row, : int(counts[b, 0, row])]}
+
+
+@pytest.mark.parametrize("n", [1, 100, 128, 300, 640])
+@pytest.mark.parametrize("kind", ["ones", "right", "left", "random"])
+def test_block_mask_lists_the_tiles_torch_lists(kind, n):
+    """The tiles that hold a visible (query, key) pair are listed, as by torch's create_block_mask on the dense mask
+    function; a tile listed full has every pair of its rows in range visible (torch also counts the rows past n,
+    so its last query tile is never full: ours may be); the query-major lists are the key-major ones transposed."""
+    valid = key_valid(kind, 2, n)
+    got = attention.block_mask(valid, n)
+    want = create_block_mask(lambda b, h, q, kv: (kv <= q) & valid[b, kv], 2, 1, n, n, device="cpu")
+    full = listed(got.full_kv_num_blocks, got.full_kv_indices)
+    partial = listed(got.kv_num_blocks, got.kv_indices)
+    assert not full & partial
+    assert full | partial == listed(want.kv_num_blocks, want.kv_indices) | listed(want.full_kv_num_blocks,
+                                                                                 want.full_kv_indices)
+    assert listed(want.full_kv_num_blocks, want.full_kv_indices) <= full
+    dense = torch.ones(n, n, dtype=torch.bool).tril() & valid[:, None, :]
+    tile = attention.BLOCK
+    for b, row, col in full:
+        assert dense[b, row * tile:(row + 1) * tile, col * tile:(col + 1) * tile].all()
+    transposed = {(b, c, r) for b, r, c in full}
+    assert listed(got.full_q_num_blocks, got.full_q_indices) == transposed
+    assert listed(got.q_num_blocks, got.q_indices) == {(b, c, r) for b, r, c in partial}
+    assert got.seq_lengths == (n, n) and got.BLOCK_SIZE == want.BLOCK_SIZE
+
+
+@pytest.mark.parametrize("kind", ["ones", "right", "left", "random"])
+def test_causal_padded_attention_is_masked_sdpa(kind):
+    gen = torch.Generator().manual_seed(1)
+    b, h, kvh, n, d = 2, 4, 2, 300, 16
+    q, k, v, dy = (torch.randn(b, heads, n, d, generator=gen, dtype=torch.float64) for heads in (h, kvh, kvh, h))
+    valid = key_valid(kind, b, n)
+    mask = torch.ones(n, n, dtype=torch.bool).tril() & valid[:, None, None, :]
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*ins, attn_mask=mask, scale=0.3, enable_gqa=True)
+    want_grads = torch.autograd.grad(want, ins, dy)
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = attention.causal_padded_attention(*ins, valid, 0.3)
+    got_grads = torch.autograd.grad(got, ins, dy)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    if kind == "left":
+        assert got[0, :, : n // 2].abs().max() == 0 and got_grads[0][0, :, : n // 2].abs().max() == 0
