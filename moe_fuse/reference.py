@@ -56,7 +56,8 @@ def expert_order(ids: torch.Tensor, num_experts: int):
     """Rows (token*k + slot) sorted by expert, stable, and the row count of each expert.
 
     Ids >= num_experts are expert-parallel sentinels (experts of another rank):
-    they sort to the tail, are counted nowhere and contribute zero, as in transformers.
+    they sort to the tail, are counted nowhere and contribute zero, as in transformers
+    (``experts_forward`` says what that means for their routing weights).
     """
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -220,6 +221,12 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, sw
     the routing weight applied with type promotion, the sum over k, then a cast to x.dtype.
     An ``UNGATED`` activation: y[t] = sum_j weights[t,j] * W_down[e] act(W_up[e] x[t]), W_up = w_gate_up [E, I, H].
 
+    A slot whose id is an expert-parallel sentinel (>= E) adds nothing whatever its weight, NaN and inf
+    included, as the kernels skip it: transformers' expert-parallel dispatch hands the experts weight 0
+    at those slots (``masked_fill(off_rank, 0.0)``), and its batched_mm experts mask the weight to 0
+    there too; only its grouped_mm spelling multiplies the zeroed row by the weight, which a NaN or inf
+    weight (never passed by transformers) would turn into NaN.
+
     ``save_h`` also returns h [S, 2I] ([S, I] ungated), the pre-activation gate | up of each row in
     ``expert_order`` (sentinel rows zero; without the bias), the layout the Triton backward reads.
     """
@@ -243,7 +250,8 @@ def experts_forward(x, ids, weights, w_gate_up, w_down, save_h: bool = False, sw
         ys[rows] = glu(gate, up, glu_alpha, activation) @ w_down[e].t()
     y_slots = torch.empty_like(ys)
     y_slots[order] = ys
-    weighted = y_slots * weights.reshape(-1, 1)
+    w = weights.reshape(-1, 1).masked_fill(ids.reshape(-1, 1) >= w_gate_up.shape[0], 0)  # sentinels add nothing
+    weighted = y_slots * w
     y = weighted.view(T, k, H).sum(dim=1).to(x.dtype)
     return (y, h) if save_h else y
 

@@ -7,8 +7,31 @@ torch runs this as four to six kernels, and its top-k alone takes ~0.12 ms for
 logits in registers and picks the k largest by repeated max: one read of the
 logits, one write of the k weights and ids.
 
-Ties (equal probabilities) go to the lowest expert index; torch.topk leaves
-the order of ties unspecified.
+NaN and inf come out as torch's softmax and top-k give them. A row's
+probabilities are all NaN (a NaN logit, a +inf one, or no finite one: all
+-inf; then the softmax's sum is NaN) or all numbers with the largest > 0, and
+torch.topk ranks NaN above every number: such a row gets NaN weights
+(renormalised too) and ids in [0, E), its first k experts. The kernel tells a
+NaN row by its first max (NaN, or the padding's -1 where the max skips NaN) and
+writes that after the selection, a [BLOCK_T, BLOCK_K] select; the selection
+itself compares NaN false and would match no column (the id BLOCK_E, which the
+experts kernels would take for an expert-parallel sentinel and skip). The
+backward recomputes the softmax: NaN rows give NaN gradients, as autograd does.
+
+Ties (equal probabilities, NaN rows included) go to the lowest expert index,
+for the experts picked and their order. torch.topk promises neither; measured
+(tests/gpu/test_router_gpu.py checks the experts picked on CUDA):
+
+- CUDA (torch 2.11, H100): the same experts (among ties at the k-th value the
+  lowest indices), in another order within a tie: its sort of the k picked
+  values is a bitonic network, not stable, e.g. [1, 0] for k = 2 and
+  [7, 6, 4, 5, 1, 0, 2, 3] for k = 8 on an all-equal row (a zero router weight,
+  transformers' initialisation, gives such rows);
+- CPU: other experts too, e.g. [6, 5] for k = 2 of 8 equal values.
+
+Equal values mean equal weights, so a tie's order only permutes equal-weight
+slots: the experts op sums each token's slots in fp32, and a permutation
+changes that sum by its rounding alone (tests/ops/test_non_finite_routing.py).
 
 The backward to the logits (``softmax_topk_backward``) is one kernel too: it
 recomputes the softmax from the logits, back-propagates the renormalisation
@@ -55,11 +78,18 @@ def _softmax_topk_kernel(
     ids = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
     for j in tl.static_range(TOP_K):
         best = tl.max(p, axis=1)
+        if j == 0:
+            # A row's probabilities are all NaN or all numbers, the largest > 0: a NaN row's max is NaN or a
+            # padding column's -1 (the GPU's max skips NaN, the interpreter's does not).
+            nan_row = (best != best) | (best < 0.0)
         # lowest index among equal maxima
         arg = tl.min(tl.where(p == best[:, None], e[None, :], BLOCK_E), axis=1)
         values = tl.where(kk[None, :] == j, best[:, None], values)
         ids = tl.where(kk[None, :] == j, arg.to(tl.int64)[:, None], ids)
         p = tl.where(e[None, :] == arg[:, None], -1.0, p)
+    # NaN rows: torch.topk ranks NaN above every number, ties lowest index first: experts 0..k-1, weights NaN.
+    ids = tl.where(nan_row[:, None], kk[None, :].to(tl.int64), ids)
+    values = tl.where(nan_row[:, None], float("nan"), values)
     if RENORM:
         values = values / tl.sum(values, axis=1)[:, None]  # unpicked columns hold 0
     out = t.to(tl.int64)[:, None] * TOP_K + kk[None, :]

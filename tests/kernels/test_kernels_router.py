@@ -12,19 +12,26 @@ import pytest  # noqa: E402
 from moe_fuse import reference  # noqa: E402
 from moe_fuse.kernels import softmax_topk, softmax_topk_backward  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+    # the interpreter's numpy on NaN and inf rows
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),
+]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def torch_router(logits, k, renorm, weights_dtype):
-    """torch's softmax top-k, with ties resolved like CUDA's torch.topk: lowest index first.
+    """torch's softmax top-k with the kernel's tie rule: NaN above every number (as torch.topk ranks it), equal
+    values lowest index first, for the experts picked and their order.
 
-    (A stable sort makes the tie order explicit; CPU torch.topk leaves it unspecified.)"""
+    (A stable sort makes the rule explicit. torch.topk promises no tie order: CPU picks other experts among ties,
+    CUDA the same experts in its bitonic sort's order; kernels/router.py. Its values are these.)"""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
-    ids = order[:, :k]
+    keys = torch.where(probs.isnan(), float("inf"), probs)
+    ids = torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :k]
     values = probs.gather(-1, ids)
-    torch.testing.assert_close(values, torch.topk(probs, k, dim=-1).values, rtol=0, atol=0)
+    torch.testing.assert_close(values, torch.topk(probs, k, dim=-1).values, rtol=0, atol=0, equal_nan=True)
     if renorm:
         values = values / values.sum(dim=-1, keepdim=True)
     return values.to(weights_dtype), ids
@@ -65,6 +72,84 @@ def test_ties_pick_equal_values_lowest_index_first():
     weights, ids = softmax_topk(logits, 2, False, torch.float32)
     assert ids.tolist() == [[1, 2]]
     torch.testing.assert_close(weights, torch_router(logits, 2, False, torch.float32)[0])
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def edge_rows(E, gen):
+    """[11, E] logits: a NaN, all NaN, all -inf, +inf entries (one, two), -inf but fewer finite entries than a
+    top-8 (zeros tie), the largest float, all zero (a zero-initialised router), ties at and across the k-th
+    value, a random row. The NaN and inf rows have an all-NaN softmax, as in torch."""
+    rows = torch.randn(11, E, generator=gen)
+    rows[0, E // 3] = NAN
+    rows[1] = NAN
+    rows[2] = -INF
+    rows[3, E - 1] = INF
+    rows[4, [1, E - 2]] = INF
+    rows[5] = -INF
+    rows[5, [0, 2, E - 1]] = torch.tensor([1.0, 3.0, 0.0])
+    rows[6] = torch.finfo(torch.float32).max
+    rows[7] = 0.0
+    rows[8] = 1.0
+    rows[8, [E - 2, 0]] = 2.0  # a tie above the rest: both picked, lowest first
+    rows[9] = torch.randint(0, 3, (E,), generator=gen).float()  # many ties, some across the k-th value
+    return rows
+
+
+@pytest.mark.parametrize("E", [8, 6, 60, 128])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("renorm, dtype", [(True, torch.float32), (False, torch.float32), (True, torch.bfloat16)])
+def test_non_finite_and_tied_rows(E, k, renorm, dtype):
+    """NaN, +inf and all--inf rows: ids in [0, E), their first k experts (torch.topk's values: NaN, ranked first),
+    NaN weights where torch gives NaN; ties lowest index first; the other rows as torch computes them."""
+    logits = edge_rows(E, torch.Generator().manual_seed(E + k)).to(dtype)
+    weights, ids = softmax_topk(logits.to(DEVICE), k, renorm, dtype)
+    want_w, want_ids = torch_router(logits, k, renorm, dtype)
+    ids, weights = ids.cpu(), weights.cpu()
+    assert bool(((ids >= 0) & (ids < E)).all()), ids
+    assert torch.equal(ids, want_ids), (ids, want_ids)
+    assert torch.equal(weights.isnan(), want_w.isnan())
+    assert bool(weights[:5].isnan().all()) and torch.equal(ids[:5], torch.arange(k).expand(5, k))
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(weights, want_w, rtol=tol, atol=1e-7, equal_nan=True)
+    assert torch.equal(ids[7], torch.arange(k)) and bool((weights[7] == (1 / k if renorm else 1 / E)).all())
+    assert ids[8, :2].tolist() == [0, E - 2][:k]
+
+
+@pytest.mark.parametrize("E, k", [(8, 8), (60, 8), (6, 6)])
+def test_all_equal_rows_pick_lowest_ids_first(E, k):
+    """A zero router weight (transformers' initialisation) gives equal logits on every row: ids 0..k-1 in order,
+    weights 1/E (1/k renormalised); also with equal -inf logits but one (zeros tie behind it)."""
+    logits = torch.zeros(5, E)
+    logits[3:] = -INF
+    logits[3:, E - 1] = 0.0
+    for renorm in (False, True):
+        weights, ids = softmax_topk(logits.to(DEVICE), k, renorm, torch.float32)
+        want_w, want_ids = torch_router(logits, k, renorm, torch.float32)
+        assert torch.equal(ids.cpu(), want_ids)
+        assert ids[:3].tolist() == [list(range(k))] * 3 and ids[3].tolist() == [E - 1, *range(k - 1)]
+        torch.testing.assert_close(weights.cpu(), want_w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_backward_of_non_finite_rows_is_nan_as_autograd(renorm):
+    """The kernel's forward then its backward on NaN, +inf and all--inf rows: NaN where float64 autograd of
+    softmax -> pick -> [renorm] gives NaN (the whole row), its values elsewhere."""
+    E, k = 60, 4
+    gen = torch.Generator().manual_seed(3)
+    logits = edge_rows(E, gen)
+    _, ids = softmax_topk(logits.to(DEVICE), k, renorm, torch.float32)
+    d_weights = torch.randn(11, k, generator=gen)
+    d_direct = torch.randn(11, E, generator=gen)
+    ref_in = logits.double().requires_grad_()
+    values = torch.softmax(ref_in, dim=-1).gather(-1, ids.cpu())
+    if renorm:
+        values = values / values.sum(dim=-1, keepdim=True)
+    ((values * d_weights.double()).sum() + (ref_in * d_direct.double()).sum()).backward()
+    assert bool(ref_in.grad[:5].isnan().all()) and not ref_in.grad[6:].isnan().any()
+    out = softmax_topk_backward(d_direct.to(DEVICE), d_weights.to(DEVICE), logits.to(DEVICE), ids, renorm)
+    torch.testing.assert_close(out.cpu().double(), ref_in.grad, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 def test_bad_k():

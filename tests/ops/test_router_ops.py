@@ -4,6 +4,8 @@ the registered ops against autograd through the same math (fp32, bf16), and opch
 import pytest
 import torch
 
+import moe_fuse.ops  # noqa: F401  (registers torch.ops.moe_fuse.router)
+from moe_fuse import reference
 from moe_fuse import router_ops as R
 
 T, H, E = 7, 12, 8
@@ -144,3 +146,60 @@ def test_opcheck():
                           (x, w, b.requires_grad_(), 3, "native", torch.float32, 1.0, torch.float32))
     torch.library.opcheck(torch.ops.moe_fuse.router_topk_softmax.default,
                           (x, w, None, 3, "fp32_output", torch.float32, 2.0, torch.float32))
+
+
+def _non_finite_inputs(dtype):
+    """x with a NaN row (1); a +inf router weight gives expert 3 a +inf logit on row 2 (x[2, 0] > 0), NaN on row 3
+    (x[3, 0] = 0) and -inf on the others (x[:, 0] < 0: sigmoid 0, softmax probability 0)."""
+    x, w, b = _inputs(dtype)
+    x[1] = float("nan")
+    x[:, 0] = -x[:, 0].abs() - 0.1
+    x[2:4, 0] = torch.tensor([1.0, 0.0], dtype=dtype)
+    w[3, 0] = float("inf")
+    return x, w, b
+
+
+@pytest.mark.parametrize("router", ["sigmoid", "sigmoid_grouped", "topk_softmax"])
+def test_non_finite_logits_as_autograd(router):
+    """NaN and inf logits: the op's outputs are eager's bits (NaN at the same places, ids in [0, E)), and its
+    written-out backward has NaN where autograd through the eager math has it, and autograd's values elsewhere."""
+    x, w, b = _non_finite_inputs(torch.float64)
+    if router == "topk_softmax":
+        args = ("native", torch.float64, 1.0, torch.float64)
+        eager = lambda x, w, b: R.topk_softmax_forward(x, w, b, 3, *args)  # noqa: E731
+        op = lambda x, w, b: torch.ops.moe_fuse.router_topk_softmax(x, w, b, 3, *args)  # noqa: E731
+    else:
+        groups = (4, 2) if router == "sigmoid_grouped" else (1, 1)
+        args = (*groups, False, True, True, 1e-20, 2.5, "native", torch.float64)
+        eager = lambda x, w, b: R.sigmoid_forward(x, w, b, 3, *args)  # noqa: E731
+        op = lambda x, w, b: torch.ops.moe_fuse.router_sigmoid(x, w, b, 3, *args)  # noqa: E731
+    gen = torch.Generator().manual_seed(9)
+    d_logits, d_weights = torch.randn(T, E, generator=gen).double(), torch.randn(T, 3, generator=gen).double()
+    want = _autograd(eager, x, w, b, d_logits, d_weights)
+    got = _autograd(op, x, w, b, d_logits, d_weights)
+    assert bool(((got[2] >= 0) & (got[2] < E)).all())
+    assert bool(got[1][1].isnan().all())  # the NaN row
+    for g, wnt in zip(got[:3], want[:3]):
+        torch.testing.assert_close(g, wnt, rtol=0, atol=0, equal_nan=True)
+    for g, wnt in zip(got[3], want[3]):
+        assert (g is None) == (wnt is None)
+        if wnt is not None:
+            assert torch.equal(g.isnan(), wnt.isnan())
+            torch.testing.assert_close(g, wnt, rtol=1e-10, atol=1e-10, equal_nan=True)
+
+
+def test_softmax_router_reference_backward_non_finite_as_autograd():
+    """The softmax router's torch path (CPU; reference.router_backward) on NaN and inf logits against autograd."""
+    x, w, _ = _non_finite_inputs(torch.float64)
+    gen = torch.Generator().manual_seed(10)
+    d_logits, d_weights = torch.randn(T, E, generator=gen).double(), torch.randn(T, 3, generator=gen).double()
+    for renorm in (True, False):
+        logits, weights, ids, grads = _autograd(
+            lambda x, w, b: reference.router_forward(x, w, 3, renorm, torch.float64), x, w, None, d_logits, d_weights)
+        got_l, got_w, got_ids = torch.ops.moe_fuse.router(x, w, 3, renorm, torch.float64)
+        assert torch.equal(got_ids, ids) and bool(((ids >= 0) & (ids < E)).all())
+        torch.testing.assert_close(got_w, weights, rtol=0, atol=0, equal_nan=True)
+        dx, dw = reference.router_backward(d_logits, d_weights, x, w, logits, ids, renorm)
+        for g, wnt in zip((dx, dw), grads):
+            assert torch.equal(g.isnan(), wnt.isnan())
+            torch.testing.assert_close(g, wnt, rtol=1e-5, atol=1e-6, equal_nan=True)  # its softmax is fp32
