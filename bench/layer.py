@@ -5,6 +5,8 @@ forward + backward.
     python bench/layer.py [--shapes 30b,235b] [--tokens 4096,16384] [--rounds 5]
                           [--variants eager,inductor,moe_fuse,moe_fuse:ragged_min_rows=0] [--out DIR]
     python bench/layer.py --cpu-smoke       # tiny fp32 block on the CPU, Inductor replaced by aot_eager
+    python bench/layer.py --shapes 30b --tokens 1,8,64 --modes fwd \
+        --variants inductor,moe_fuse,inductor_graphs,moe_fuse:mode=reduce-overhead     # decode steps
 
 Each variant is checked against eager on fresh random inputs, then every (variant, mode) is timed, the rows in
 turn for --rounds rounds (bench/common.py). A variant ``moe_fuse:name=value`` runs under
@@ -31,7 +33,7 @@ SHAPES = {  # name: hidden H, moe_intermediate I, experts E, top-k
     "235b": (4096, 1536, 128, 8),  # Qwen3-235B-A22B
     "tiny": (64, 32, 8, 2),        # --cpu-smoke
 }
-BASES = ["eager", "inductor", "moe_fuse"]
+BASES = ["eager", "inductor", "inductor_graphs", "moe_fuse"]  # inductor_graphs: mode="reduce-overhead"
 PEER = "inductor"
 MODES = ["fwd", "fwd+bwd"]
 TOL = 2e-2
@@ -60,6 +62,10 @@ def compiled(v, block, smoke):
         return block
     if v.base == "inductor":
         return torch.compile(block, backend="aot_eager" if smoke else "inductor", dynamic=False)
+    if v.base == "inductor_graphs":  # CUDA graphs, as moe_fuse:mode=reduce-overhead
+        if smoke:
+            return torch.compile(block, backend="aot_eager", dynamic=False)
+        return torch.compile(block, mode="reduce-overhead", dynamic=False)
     options = {"moe_fuse.inner": "aot_eager"} if smoke else None
     return torch.compile(block, backend=common.moe_fuse_backend(v.settings), dynamic=False, options=options)
 
