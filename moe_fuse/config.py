@@ -97,6 +97,9 @@ SETTINGS: dict[str, Setting] = {
                              "data gradients", _bool, "True or False"),
     "direct_launch": Setting(True, "launch compiled Triton kernels seen before without JITFunction.run's Python "
                              "(on the triton minor version it was checked on)", _bool, "True or False"),
+    "small_step_tokens": Setting(64, "an inference graph of at most this many tokens (a decode step) on a GPU is left "
+                                 "to Inductor unless it runs under CUDA graphs (mode reduce-overhead): host-bound, "
+                                 "and the fused ops issue more host work (0: fuse every size)", _rows, "an int >= 0"),
 }
 
 # The current values; ``patch`` changes them. Kept as plain module attributes: the ops read some on every call.
@@ -116,6 +119,7 @@ inference_grouped_mm: bool | None = None
 split_backward: bool = True
 overlap_wgrad: bool = True
 direct_launch: bool = True
+small_step_tokens: int = 64
 
 _this = sys.modules[__name__]
 assert all(getattr(_this, name) == s.default for name, s in SETTINGS.items()), "a default differs from SETTINGS"

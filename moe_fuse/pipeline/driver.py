@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .. import config
 from .candidate import Candidate, Rejection
 from .fake import set_fake_value
+from .graph import meta_value
 from .rewrite import rewrite
 from .verify import verify
 
@@ -92,6 +93,20 @@ def _drop_kept_rows(graph: fx.Graph) -> bool:
     return changed
 
 
+def _host_bound(cand: Candidate) -> str | None:
+    """``dispatch.host_bound_step`` for the candidate's hidden states (its tokens, device, and whether a gradient
+    flows through the region)."""
+    from ..dispatch import host_bound_step
+
+    values = [meta_value(n) for n in cand.region.inputs]
+    hidden = [v for v, kind in zip(values, cand.input_kinds) if kind == "hidden" and isinstance(v, torch.Tensor)]
+    if not hidden:
+        return None
+    x = hidden[0]
+    grad = torch.is_grad_enabled() and any(getattr(v, "requires_grad", False) for v in values)
+    return host_bound_step(x.numel() // x.shape[-1] if x.dim() else 1, x.device, grad)
+
+
 def match_and_rewrite(module: fx.GraphModule, patterns, where: str, values: RealValues, report,
                       checkpointed: bool) -> bool:
     """Find every pattern's candidates on ``module``'s graph, verify them, rewrite the accepted ones in pattern
@@ -101,6 +116,10 @@ def match_and_rewrite(module: fx.GraphModule, patterns, where: str, values: Real
     for item in found:
         if isinstance(item, Rejection):
             report.reject(item.pattern, item.reason, where, item.node)
+            continue
+        reason = _host_bound(item)
+        if reason is not None:
+            report.reject(item.pattern, reason, where, item.anchor)
             continue
         if checkpointed:  # the backward recomputes h itself: saving it would make the partitioner re-run
             item.recompute_h()  # the whole fused forward in the backward just to rebuild h
