@@ -21,12 +21,28 @@ from .graph import concrete, meta_value, region_graph_module
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
+CHUNK = 1 << 22  # elements compared in float64 at a time
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    if not torch.isfinite(got).all():
+    """||got - want|| / ||want|| in float64, inf where ``got`` is not finite. A few rows at a time: a weight
+    gradient made float64 whole would take four times its bf16 size, three times over (tens of GB at 235B)."""
+    got, want = got.detach(), want.detach()
+    if got.dim() == 0:
+        got, want = got.reshape(1), want.reshape(1)
+    rows = max(1, CHUNK // max(1, want[0].numel()))
+    diff = torch.zeros((), dtype=torch.float64, device=want.device)
+    norm = torch.zeros((), dtype=torch.float64, device=want.device)
+    bad = torch.zeros((), dtype=torch.bool, device=want.device)
+    for g, w in zip(got.split(rows), want.split(rows)):
+        g, w = g.double(), w.double()
+        bad |= ~torch.isfinite(g).all()
+        diff += (g - w).square().sum()
+        norm += w.square().sum()
+    if bad.item():
         return float("inf")
-    denom = want.norm().item()
-    return (got - want).norm().item() / (denom if denom > 0 else 1.0)
+    denom = norm.sqrt().item()
+    return diff.sqrt().item() / (denom if denom > 0 else 1.0)
 
 
 def _concrete_value(node):
@@ -78,35 +94,51 @@ def _by_expert(weights, ids):
     return weights.gather(-1, order), ids.gather(-1, order)
 
 
-def _canonical_topk(cand: Candidate, got: list, want: list) -> str | None:
-    wi, ii = cand.topk_outputs
-    if got[wi].shape[-1] > 1 and not (got[wi][..., :-1] >= got[wi][..., 1:]).all():
-        return "fused top-k weights are not in descending order"
-    got[wi], got[ii] = _by_expert(got[wi], got[ii])
-    want[wi], want[ii] = _by_expert(want[wi], want[ii])
-    return None
+def _side(outputs: list, leaves: list, cotangents: list) -> list:
+    """The gradients of ``leaves`` for ``cotangents`` on the outputs that have one (None where unused); frees
+    the side's graph."""
+    pairs = [(o, c) for o, c in zip(outputs, cotangents) if c is not None]
+    if not pairs:
+        return []
+    floats = [p for p in leaves if p.requires_grad]
+    return list(torch.autograd.grad([o for o, _ in pairs], floats, [c for _, c in pairs], allow_unused=True))
 
 
 def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
-    """None when the fused op matches the region on the probes, else why not."""
+    """None when the fused op matches the region on the probes, else why not.
+
+    The original region runs forward and backward first, then the fused op: one side's saved activations are
+    alive at a time, beside the first side's gradients (at the real sizes of a 235B layer, the region's
+    activations and weight gradients are several GB each)."""
     generator = torch.Generator().manual_seed(seed)
     try:
         original = region_graph_module(cand.region)
         free = [_concrete_value(n) for n in cand.region.free]
         probes = make_probes(cand, resolve, generator)
         by_node = dict(zip(cand.region.inputs, probes))
+        names = [n.name for n in cand.region.outputs]
         with torch.enable_grad():
             # The region never writes into its inputs (collect_region refuses that), so the
             # two sides can share the probes' storage: no copies of large expert weights.
             leaves_a = [p.detach().requires_grad_(p.is_floating_point()) for p in probes]
+            want = list(original(*leaves_a, *free))
+            if cand.topk_outputs:
+                wi, ii = cand.topk_outputs
+                want[wi], want[ii] = _by_expert(want[wi], want[ii])
+            cotangents = [torch.randn(w.shape, generator=generator).to(w) if w.requires_grad else None for w in want]
+            grads_a = _side(want, leaves_a, cotangents)
+            want = [w.detach() for w in want]
+            del leaves_a
+
             leaves_b = [p.detach().requires_grad_(p.is_floating_point()) for p in probes]
-            want = original(*leaves_a, *free)
             args = [leaves_b[cand.region.inputs.index(a)] if a in by_node else a for a in cand.op_args]
             result = cand.op(*args)
             got = [result if i is None else result[i] for i in cand.output_index]
-            want = list(want)
-            if cand.topk_outputs and (reason := _canonical_topk(cand, got, want)):
-                return reason
+            if cand.topk_outputs:
+                wi, ii = cand.topk_outputs
+                if got[wi].shape[-1] > 1 and not (got[wi][..., :-1] >= got[wi][..., 1:]).all():
+                    return "fused top-k weights are not in descending order"
+                got[wi], got[ii] = _by_expert(got[wi], got[ii])
 
             # A region computes in its least precise float dtype (bf16 experts with fp32
             # routing weights round like bf16 throughout; fp32 in and out with bf16 GEMMs
@@ -114,8 +146,7 @@ def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
             inner = [meta_value(n) for n in cand.region.nodes]
             dtypes = {t.dtype for t in [*probes, *want, *inner] if isinstance(t, torch.Tensor)}
             tol = max(TOLERANCE[d] for d in dtypes if d in TOLERANCE)
-            cotangents = []
-            for name, g, w in zip([n.name for n in cand.region.outputs], got, want):
+            for name, g, w, c in zip(names, got, want, cotangents):
                 if g.shape != w.shape or g.dtype != w.dtype:
                     return f"output {name}: fused {g.dtype}{list(g.shape)} vs original {w.dtype}{list(w.shape)}"
                 if not w.is_floating_point():
@@ -125,25 +156,19 @@ def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
                 err = rel_err(g, w)
                 if err > tol:
                     return f"output {name} differs: relative error {err:.3g} > {tol:g}"
-                if w.requires_grad:
-                    cotangents.append((g, w, torch.randn(w.shape, generator=generator).to(w)))
+                if (c is not None) != g.requires_grad:
+                    return f"output {name}: only one side has a gradient"
 
-            if cotangents:
-                float_a = [p for p in leaves_a if p.requires_grad]
-                float_b = [p for p in leaves_b if p.requires_grad]
-                grads_a = torch.autograd.grad([w for _, w, _ in cotangents], float_a,
-                                              [c for _, _, c in cotangents], allow_unused=True)
-                grads_b = torch.autograd.grad([g for g, _, _ in cotangents], float_b,
-                                              [c for _, _, c in cotangents], allow_unused=True)
-                names = [n.name for n, p in zip(cand.region.inputs, probes) if p.is_floating_point()]
-                for name, ga, gb in zip(names, grads_a, grads_b):
-                    if ga is None or gb is None:
-                        if (ga is None) != (gb is None):
-                            return f"gradient of {name}: only one side has one"
-                        continue
-                    err = rel_err(gb, ga)
-                    if err > 2 * tol:
-                        return f"gradient of {name} differs: relative error {err:.3g} > {2 * tol:g}"
+            grads_b = _side(got, leaves_b, cotangents)
+            inputs = [n.name for n, p in zip(cand.region.inputs, probes) if p.is_floating_point()]
+            for name, ga, gb in zip(inputs, grads_a, grads_b):
+                if ga is None or gb is None:
+                    if (ga is None) != (gb is None):
+                        return f"gradient of {name}: only one side has one"
+                    continue
+                err = rel_err(gb, ga)
+                if err > 2 * tol:
+                    return f"gradient of {name} differs: relative error {err:.3g} > {2 * tol:g}"
     except Exception as e:  # a probe that crashes either side proves nothing: leave it alone
         return f"verification raised {type(e).__name__}: {e}"
     return None

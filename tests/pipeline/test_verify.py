@@ -80,3 +80,48 @@ def test_without_verification_the_structural_match_alone_would_be_wrong(tmp_path
     want, got, report = run("reversed_unpermute", tmp_path, verify=False)
     assert all(m["verified"] is False for m in report["matches"])
     assert not torch.allclose(got[0], want[0])
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The bytes of tensors created under it that are still alive, and the most at any one time."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        known = {a.untyped_storage().data_ptr() for a in flat if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:  # new storage only, not views of inputs
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in known:
+                size = t.untyped_storage().nbytes()
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, size)
+        return out
+
+    def _free(self, size):
+        self.live -= size
+
+
+def test_rel_err_is_float64_exact_and_holds_a_few_rows():
+    """The comparison is the float64 norm ratio (non-contiguous, 0-d, NaN and all-zero inputs too), computed a chunk
+    of rows at a time: never the whole tensor in float64."""
+    from moe_fuse.pipeline.verify import CHUNK, rel_err
+
+    gen = torch.Generator().manual_seed(0)
+    want = torch.randn(64, 3, 50, generator=gen).transpose(0, 2)
+    got = want + 1e-3 * torch.randn(want.shape, generator=gen)
+    exact = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert rel_err(got, want) == pytest.approx(exact, rel=1e-12)
+    assert rel_err(torch.tensor(3.0), torch.tensor(2.0)) == pytest.approx(0.5)
+    assert rel_err(torch.ones(4), torch.zeros(4)) == pytest.approx(2.0)
+    assert rel_err(torch.tensor([1.0, float("nan")]), torch.ones(2)) == float("inf")
+    big = torch.randn(512, 1 << 16, generator=gen).bfloat16()  # 2^25 elements, 64 MB
+    other = big + 1
+    with _LiveBytes() as mem:
+        rel_err(other, big)
+    assert mem.peak <= 4 * 8 * CHUNK + (1 << 20)  # a few float64 chunks, against 3 x 256 MB made whole
