@@ -99,6 +99,10 @@ def run_case(shape, T, dev, dtype, args, rows):
                        flops=6 * T * k * H * I * (3 if mode == "fwd+bwd" else 1))
             case_rows.append(row)
             try:
+                if dev.type == "cuda":  # the first call's peak: compiling (and moe_fuse's verification) included
+                    torch.cuda.synchronize(dev)
+                    torch.cuda.reset_peak_memory_stats(dev)
+                    base = torch.cuda.memory_allocated(dev)
                 with config.patch(v.settings), collect_reports() as reports:
                     t0 = time.perf_counter()
                     if mode == "fwd":
@@ -116,6 +120,8 @@ def run_case(shape, T, dev, dtype, args, rows):
                         row["grad_err"] = max(row["grad_errs"].values())
                     if v.base != "eager":
                         row["compile_s"] = time.perf_counter() - t0
+                if dev.type == "cuda":
+                    row["first_call_mb"] = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
                 del out
                 if v.base == "moe_fuse":
                     row["rewrites"] = common.rewrites(reports)
@@ -183,18 +189,20 @@ def markdown(rows, peak, meta, rounds):
              f"ms: median of {rounds} round(s) of timing, the rows in turn. TFLOP/s count 6 T k H I forward, 3x that "
              f"forward + backward (the router not counted); % of the {peak['n']}^3 matmul measured in the same run "
              f"({peak['tflops']:.1f} TFLOP/s). x inductor = Inductor's ms / this ms. err / grad err: relative to "
-             f"eager (the output; the worst gradient of x and every parameter). mem: peak MB one call allocates.", ""]
+             f"eager (the output; the worst gradient of x and every parameter). mem: peak MB one call allocates; first "
+             f"call: the peak MB of the first call, compiling included.", ""]
     table = []
     for r in rows:
         if r["status"] == "error":
-            table.append([r["shape"], r["T"], r["mode"], r["variant"], "error", r["error"][:120]] + [None] * 8)
+            table.append([r["shape"], r["T"], r["mode"], r["variant"], "error", r["error"][:120]] + [None] * 9)
             continue
         table.append([r["shape"], r["T"], r["mode"], r["variant"], r["status"], f(r.get("ms"), ".3f"),
                       f(r.get("tflops"), ".1f"), f(r.get("pct_peak"), ".1f"), f(r.get("x_inductor"), ".2f"),
-                      f(r.get("mem_mb"), ".0f"), f(r.get("host_ms"), ".3f"), f(r.get("compile_s"), ".1f"),
-                      f(r.get("err"), ".1e"), f(r.get("grad_err"), ".1e")])
+                      f(r.get("mem_mb"), ".0f"), f(r.get("first_call_mb"), ".0f"), f(r.get("host_ms"), ".3f"),
+                      f(r.get("compile_s"), ".1f"), f(r.get("err"), ".1e"), f(r.get("grad_err"), ".1e")])
     lines.append(common.md_table(["shape", "T", "mode", "variant", "status", "ms", "TFLOP/s", "% peak",
-                                  "x inductor", "mem MB", "host ms", "compile s", "err", "grad err"], table))
+                                  "x inductor", "mem MB", "first call MB", "host ms", "compile s", "err", "grad err"],
+                                 table))
     by_round = [r for r in rows if r.get("x_inductor_rounds") and r["variant"] != PEER]
     if by_round:
         lines += ["", "x inductor by round:", ""]

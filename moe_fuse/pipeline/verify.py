@@ -21,7 +21,7 @@ from .graph import concrete, meta_value, region_graph_module
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
-CHUNK = 1 << 22  # elements compared in float64 at a time
+CHUNK = 1 << 20  # elements compared in float64 at a time
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -35,7 +35,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     norm = torch.zeros((), dtype=torch.float64, device=want.device)
     bad = torch.zeros((), dtype=torch.bool, device=want.device)
     for g, w in zip(got.split(rows), want.split(rows)):
-        g, w = g.double(), w.double()
+        g, w = g.double(), w.to(g.device, torch.float64)
         bad |= ~torch.isfinite(g).all()
         diff += (g - w).square().sum()
         norm += w.square().sum()
@@ -104,12 +104,20 @@ def _side(outputs: list, leaves: list, cotangents: list) -> list:
     return list(torch.autograd.grad([o for o, _ in pairs], floats, [c for _, c in pairs], allow_unused=True))
 
 
+def _park(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A GPU gradient of the first side moved to host memory while the second side runs (rel_err brings it
+    back a chunk at a time): the GPU holds one side's weight gradients at a time, not both."""
+    if grad is None or grad.device.type == "cpu":
+        return grad
+    return grad.to("cpu")
+
+
 def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
     """None when the fused op matches the region on the probes, else why not.
 
     The original region runs forward and backward first, then the fused op: one side's saved activations are
-    alive at a time, beside the first side's gradients (at the real sizes of a 235B layer, the region's
-    activations and weight gradients are several GB each)."""
+    alive at a time, and on a GPU the first side's gradients wait in host memory (at the real sizes of a 235B
+    layer, the region's activations and weight gradients are several GB each)."""
     generator = torch.Generator().manual_seed(seed)
     try:
         original = region_graph_module(cand.region)
@@ -126,7 +134,7 @@ def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
                 wi, ii = cand.topk_outputs
                 want[wi], want[ii] = _by_expert(want[wi], want[ii])
             cotangents = [torch.randn(w.shape, generator=generator).to(w) if w.requires_grad else None for w in want]
-            grads_a = _side(want, leaves_a, cotangents)
+            grads_a = [_park(g) for g in _side(want, leaves_a, cotangents)]
             want = [w.detach() for w in want]
             del leaves_a
 
