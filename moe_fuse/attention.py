@@ -1,4 +1,4 @@
-"""Causal attention over padded keys, as one FlexAttention call.
+"""Causal attention over padded keys, or within packed sequences, as one FlexAttention call.
 
 ``causal_padded_attention(q, k, v, key_valid, scale)`` computes exactly what
 
@@ -10,6 +10,9 @@ computes, without building the [B, 1, L, L] mask: a block mask of 128 x 128 tile
 above the diagonal or hold only padding, and reads the mask element-wise only on the diagonal tiles and
 the tiles that hold some padding. A query row with no valid key at all (left padding) comes out as zeros
 with zero gradients, as SDPA's.
+
+``causal_document_attention(q, k, v, document, scale)`` does the same for sequences packed into one row
+(document ids that never decrease along it): query q reads key kv <= q of its own document.
 
 This module knows nothing of FX: ``patterns/causal_mask.py`` proves that a graph's mask is of this form
 and calls this function; AOTAutograd traces it into the graph as torch's own ``flex_attention`` operator,
@@ -33,33 +36,51 @@ def _causal_and_valid(b, h, q, kv, key_valid):
     return (kv <= q) & key_valid[b, kv]
 
 
-def block_mask(key_valid: torch.Tensor, length: int):
-    """The block mask of ``causal AND key_valid[b, kv]`` for ``length`` queries and keys, per batch row
-    (one head row: the mask does not depend on the head)."""
+def _causal_in_document(b, h, q, kv, document):
+    return (kv <= q) & (document[b, q] == document[b, kv])
+
+
+def _listed(tiles):
+    """(count, indices) of the tiles marked in each [batch, query tile] row, as BlockMask lists them."""
+    tiles = tiles[:, None].to(torch.int32)  # [B, 1, query tiles, key tiles]
+    count = tiles.sum(-1).to(torch.int32)
+    order = torch.argsort(tiles, dim=-1, descending=True, stable=True).to(torch.int32)
+    return count, order
+
+
+def block_mask(key_valid: torch.Tensor | None, length: int, document: torch.Tensor | None = None):
+    """The block mask of ``causal AND key_valid[b, kv]`` (``document`` None), or of ``causal AND document[b, q] ==
+    document[b, kv]`` (``key_valid`` None; ``document`` [B, length], non-decreasing along each row: packed
+    sequences), for ``length`` queries and keys, per batch row (the mask does not depend on the head)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    batch = key_valid.shape[0]
+    ref = key_valid if key_valid is not None else document
+    batch, dev = ref.shape[0], ref.device
     blocks = -(-length // BLOCK)
     pad = blocks * BLOCK - length
-    valid = torch.nn.functional.pad(key_valid, (0, pad), value=False)
-    per_block = valid.reshape(batch, blocks, BLOCK).sum(-1)  # valid keys in each key tile
-    qb = torch.arange(blocks, device=key_valid.device)[:, None]
-    kb = torch.arange(blocks, device=key_valid.device)[None, :]
-    below = kb < qb  # every key of the tile precedes every query of the query tile
-    reached = kb <= qb  # some key of the tile precedes some query of the query tile
-    full = below[None] & (per_block[:, None, :] == BLOCK)
-    partial = reached[None] & (per_block[:, None, :] > 0) & ~full
-
-    def listed(tiles):
-        tiles = tiles[:, None].to(torch.int32)  # [B, 1, query tiles, key tiles]
-        count = tiles.sum(-1).to(torch.int32)
-        order = torch.argsort(tiles, dim=-1, descending=True, stable=True).to(torch.int32)
-        return count, order
-
-    kv_count, kv_order = listed(partial)
-    full_count, full_order = listed(full)
+    qb = torch.arange(blocks, device=dev)[:, None]
+    kb = torch.arange(blocks, device=dev)[None, :]
+    below = (kb < qb)[None]  # every key of the tile precedes every query of the query tile
+    reached = (kb <= qb)[None]  # some key of the tile precedes some query of the query tile
+    if document is None:
+        valid = torch.nn.functional.pad(key_valid, (0, pad), value=False)
+        per_block = valid.reshape(batch, blocks, BLOCK).sum(-1)[:, None, :]  # valid keys in each key tile
+        full = below & (per_block == BLOCK)
+        partial = reached & (per_block > 0) & ~full
+        mask_mod = _causal_and_valid
+    else:  # rows past the length: a document of their own, after the last
+        doc = torch.cat([document, (document[:, -1:] + 1).expand(batch, pad)], dim=1).reshape(batch, blocks, BLOCK)
+        first, last = doc[..., 0], doc[..., -1]  # a tile's documents: first..last (the ids never decrease)
+        meet = (first[:, :, None] <= last[:, None, :]) & (first[:, None, :] <= last[:, :, None])
+        one = first == last
+        same = one[:, :, None] & one[:, None, :] & (first[:, :, None] == first[:, None, :])
+        full = below & same
+        partial = reached & meet & ~full
+        mask_mod = _causal_in_document
+    kv_count, kv_order = _listed(partial)
+    full_count, full_order = _listed(full)
     return BlockMask.from_kv_blocks(kv_count, kv_order, full_count, full_order, BLOCK_SIZE=BLOCK,
-                                    mask_mod=_causal_and_valid, seq_lengths=(length, length))
+                                    mask_mod=mask_mod, seq_lengths=(length, length))
 
 
 def _kernel_options(q, k, v) -> dict:
@@ -83,6 +104,22 @@ def causal_padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     mask = block_mask(key_valid, length)
     # the mask function may be evaluated up to the last tile's end: False past the keys
     padded = torch.nn.functional.pad(key_valid, (0, -length % BLOCK), value=False)
+    out = flex_attention(q, k, v, _keep_score, mask.as_tuple(), scale, _kernel_options(q, k, v), (), (padded,))
+    return out[0]
+
+
+def causal_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """As ``causal_padded_attention``, causal within documents instead: query q reads key kv <= q where
+    ``document[b, q] == document[b, kv]`` (``document`` [B or 1, L] integer ids, non-decreasing along each row:
+    the sequences packed into a row)."""
+    from torch._higher_order_ops.flex_attention import flex_attention
+
+    length = q.shape[-2]
+    document = document.expand(q.shape[0], length)
+    mask = block_mask(None, length, document)
+    tail = -length % BLOCK  # evaluated up to the last tile's end: a document of its own there
+    padded = torch.cat([document, (document[:, -1:] + 1).expand(q.shape[0], tail)], dim=1)
     out = flex_attention(q, k, v, _keep_score, mask.as_tuple(), scale, _kernel_options(q, k, v), (), (padded,))
     return out[0]
 

@@ -66,9 +66,10 @@ SETTINGS: dict[str, Setting] = {
                       option=True),
     "causal_sdpa": Setting(True, "turn a constant plain-causal SDPA mask into is_causal=True", _bool,
                            "True or False", option=True),
-    "causal_sdpa_padding": Setting(True, "the mask rewrite also takes a causal mask AND a key padding mask (a "
-                                   "tokenizer's attention_mask): one FlexAttention call on a GPU", _bool,
-                                   "True or False", option=True),
+    "causal_sdpa_flex": Setting(True, "the mask rewrite also takes a causal mask AND a key padding mask (a "
+                                "tokenizer's attention_mask), and the mask of sequences packed into rows "
+                                "(position_ids): one FlexAttention call on a GPU", _bool, "True or False",
+                                option=True),
     "causal_sdpa_grouped_heads": Setting(True, "the causal-mask rewrite also takes SDPA calls whose key / value "
                                          "heads were repeated for grouped-query attention (passes enable_gqa)",
                                          _bool, "True or False", option=True),
@@ -108,7 +109,7 @@ mode: str | None = None
 debug_dir: str | None = None
 verify: bool = True
 causal_sdpa: bool = True
-causal_sdpa_padding: bool = True
+causal_sdpa_flex: bool = True
 causal_sdpa_grouped_heads: bool = True
 keep_rows: bool = True
 ep_chunks: int | None = None

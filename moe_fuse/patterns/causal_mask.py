@@ -36,6 +36,7 @@ from ..pipeline.graph import is_op, meta_value
 
 NAME = "causal_sdpa_mask"
 PADDED = "causal_padded_sdpa_mask"
+PACKED = "causal_packed_sdpa_mask"
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 
 
@@ -176,9 +177,10 @@ def _why_not_padded(mask: fx.Node, q, k, outer: dict) -> str | None:
     return None
 
 
-def _rewrite_padded(node: fx.Node, mask: fx.Node, q: torch.Tensor, k: torch.Tensor) -> dict | str:
-    """Replace the masked SDPA call by ``attention.causal_padded_attention`` on the mask's last query row;
-    returns the report's detail, or why the call stays."""
+def _rewrite_flex(node: fx.Node, q: torch.Tensor, k: torch.Tensor, fn, operand) -> dict | str:
+    """Replace the masked SDPA call by ``fn(q, k, v, operand(graph), scale)`` (``attention``'s FlexAttention
+    functions; ``operand`` inserts the node of the key padding or the document ids); returns the report's detail,
+    or why the call stays."""
     why = dispatch.padded_attention_applies(q, k)
     if why is not None:
         return why
@@ -199,12 +201,128 @@ def _rewrite_padded(node: fx.Node, mask: fx.Node, q: torch.Tensor, k: torch.Tens
             key, value = src[0][0], src[1][0]
             info["gqa_group"] = src[0][1]
     with graph.inserting_before(node):
-        key_valid = graph.call_function(operator.getitem, (mask, (slice(None), 0, -1, slice(None))))
-        fused = graph.call_function(attention.causal_padded_attention,
-                                    (node.args[0], key, value, key_valid, float(scale)))
+        fused = graph.call_function(fn, (node.args[0], key, value, operand(graph), float(scale)))
     fused.meta = dict(node.meta)
     node.replace_all_uses_with(fused)
     return info
+
+
+def _last_row(mask: fx.Node):
+    """The key padding of a proved causal AND padding mask: its last query row."""
+    return lambda graph: graph.call_function(operator.getitem, (mask, (slice(None), 0, -1, slice(None))))
+
+
+_LE = (operator.le, torch.le, torch.Tensor.le, torch.Tensor.__le__)
+_GE = (operator.ge, torch.ge, torch.Tensor.ge, torch.Tensor.__ge__)
+_EQ = (operator.eq, torch.eq, torch.Tensor.eq, torch.Tensor.__eq__)
+
+
+def _is(node, functions, methods) -> bool:
+    return isinstance(node, fx.Node) and (node.op == "call_function" and node.target in functions
+                                          or node.op == "call_method" and node.target in methods)
+
+
+def _unexpanded(node):
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target == "expand":
+        node = node.args[0]
+    return node
+
+
+def _indexed(node, index: dict) -> tuple[fx.Node, str] | None:
+    """(X, axis) when ``node`` is ``X[batch_indices, axis_indices]`` with the constant index tensors of
+    ``index`` ({node: "batch" | "query" | "key"}), axis "query" or "key"; else None."""
+    if not (_is(node, (operator.getitem,), ()) and isinstance(node.args[1], tuple) and len(node.args[1]) == 2):
+        return None
+    b, i = (index.get(a) if isinstance(a, fx.Node) else None for a in node.args[1])
+    if b != "batch" or i not in ("query", "key"):
+        return None
+    return node.args[0], i
+
+
+def _index_kinds(nodes, batch: int, length: int) -> dict:
+    """{node: "batch" | "query" | "key"} for the constant index tensors among ``nodes``: arange(B) over the first
+    of four axes, arange(L) over the third (queries) or the fourth (keys)."""
+    want = {"batch": torch.arange(batch).view(batch, 1, 1, 1), "query": torch.arange(length).view(1, 1, length, 1),
+            "key": torch.arange(length).view(1, 1, 1, length)}
+    kinds = {}
+    for n in nodes:
+        value, why = _constant_value(n, {})
+        if why is not None or not isinstance(value, torch.Tensor) or value.is_floating_point():
+            continue
+        for kind, w in want.items():
+            if value.shape == w.shape and torch.equal(value.cpu().long(), w):
+                kinds[n] = kind
+    return kinds
+
+
+def _packed_documents(mask: fx.Node, q, k) -> tuple[fx.Node | None, str | None]:
+    """(D, None) when ``mask`` is transformers' mask of sequences packed into rows, computed in this graph:
+    ``pos[b, kv] <= pos[b, q] AND D[b, q] == D[b, kv]`` (AND constants that are all True or causal) with
+    ``D = cumsum(diff(pos, dim=-1) != 1, -1)`` of the same positions ``pos``; else (None, why not).
+
+    Then the mask is ``kv <= q AND D[b, q] == D[b, kv]``: D never decreases, so between two positions of one
+    document every step of pos is +1 (else D would grow there), and pos[kv] <= pos[q] there exactly when
+    kv <= q, whatever value diff prepends."""
+    if mask.op == "placeholder":
+        return None, "the mask comes from outside this graph"
+    L = q.shape[-2]
+    factors = _and_factors(mask, {})
+    nodes = {a for f in factors for a in f.all_input_nodes for a in [a, *a.all_input_nodes]}
+    index = _index_kinds([n for n in nodes if isinstance(n, fx.Node)], meta_value(mask).shape[0], L)
+    tril = torch.ones(L, L, dtype=torch.bool).tril()
+    order = positions = documents = None
+    for factor in factors:
+        known, why = _constant_value(factor, {})
+        if why is None:
+            if not (isinstance(known, torch.Tensor) and known.dtype == torch.bool and known.dim() <= 4 and (
+                    bool(known.all()) or torch.equal(known.cpu().expand(*known.shape[:-2], L, L), tril.expand(
+                        *known.shape[:-2], L, L)))):
+                return None, "a constant factor is neither all True nor causal"
+        elif _is(factor, _LE + _GE, ("le", "__le__", "ge", "__ge__")) and order is None:
+            a, b = (_indexed(x, index) for x in factor.args[:2])
+            small, big = (a, b) if _is(factor, _LE, ("le", "__le__")) else (b, a)
+            if small is None or big is None or (small[1], big[1]) != ("key", "query") or small[0] is not big[0]:
+                return None, f"{factor.name} is not positions[b, key] <= positions[b, query]"
+            order, positions = factor, _unexpanded(small[0])
+        elif _is(factor, _EQ, ("eq", "__eq__")) and documents is None:
+            a, b = (_indexed(x, index) for x in factor.args[:2])
+            if a is None or b is None or {a[1], b[1]} != {"query", "key"} or a[0] is not b[0]:
+                return None, f"{factor.name} is not documents[b, query] == documents[b, key]"
+            documents = a[0]
+        else:
+            return None, f"{factor.name} is not part of a packed-sequence mask"
+    if order is None or documents is None:
+        return None, "no position order and document equality"
+    cumsum = documents
+    if not (cumsum.op == "call_method" and cumsum.target == "cumsum" and cumsum.args[1:] in ((-1,), (1,))
+            and not cumsum.kwargs):
+        return None, f"the document ids {cumsum.name} are not a cumsum over the last axis"
+    ne = cumsum.args[0]
+    if not (_is(ne, (operator.ne, torch.ne), ("ne", "__ne__")) and ne.args[1:] == (1,)):
+        return None, "the document ids do not count position steps other than +1"
+    diff = ne.args[0]
+    if not (_is(diff, (torch.diff,), ("diff",)) and set(diff.kwargs) <= {"prepend", "dim", "n"}
+            and diff.kwargs.get("n", 1) == 1 and diff.kwargs.get("dim", -1) in (-1, 1) and len(diff.args) == 1):
+        return None, "the document ids are not over diff(positions, dim=-1)"
+    if _unexpanded(diff.args[0]) is not positions:
+        return None, "the document ids come from other positions than the order"
+    pos = meta_value(positions)
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[-1] != L or pos.is_floating_point():
+        return None, f"positions {tuple(getattr(pos, 'shape', ()))} are not [B, {L}] integers"
+    return cumsum, None
+
+
+def _flex(node, mask, q, k, outer) -> tuple[str | None, dict | str]:
+    """(pattern, detail) of the FlexAttention rewrite of a mask that is causal AND key padding, or packed
+    sequences; else (None, why not)."""
+    why_padded = _why_not_padded(mask, q, k, outer)
+    if why_padded is None:
+        return PADDED, _rewrite_flex(node, q, k, attention.causal_padded_attention, _last_row(mask))
+    documents, why_packed = _packed_documents(mask, q, k) if q.shape[-2] == k.shape[-2] else (None, "")
+    if documents is not None:
+        return PACKED, _rewrite_flex(node, q, k, attention.causal_document_attention, lambda graph: documents)
+    return None, f"as causal AND key padding: {why_padded}" + (f"; as packed sequences: {why_packed}"
+                                                               if why_packed else "")
 
 
 def _erase_call(node: fx.Node):
@@ -320,15 +438,14 @@ def rewrite_graph(graph: fx.Graph, report, where: str, outer: dict | None = None
         value, reason = cache[mask]
         if reason is None:
             reason = _why_not_causal(value, q, k)
-        elif config.causal_sdpa_padding:
-            why = _why_not_padded(mask, q, k, outer or {})
-            done = _rewrite_padded(node, mask, q, k) if why is None else f"{reason}; as causal AND key padding: {why}"
+        elif config.causal_sdpa_flex:
+            name, done = _flex(node, mask, q, k, outer or {})
             if isinstance(done, dict):
-                report.rewrite(PADDED, where, node, done)
+                report.rewrite(name, where, node, done)
                 _erase_call(node)
                 changed = True
                 continue
-            reason = f"{reason}; {done}" if why is None else done
+            reason = f"{reason}; {done}"
         if reason is not None:
             report.reject(NAME, reason, where, node)
             continue

@@ -73,3 +73,49 @@ def test_causal_padded_attention_is_masked_sdpa(kind):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     if kind == "left":
         assert got[0, :, : n // 2].abs().max() == 0 and got_grads[0][0, :, : n // 2].abs().max() == 0
+
+
+def documents(kind, batch, n):
+    """Document ids along each row (never decreasing): one document, or sequences packed back to back."""
+    doc = torch.zeros(batch, n, dtype=torch.long)
+    if kind == "packed":
+        doc[0] = (torch.arange(n) >= 100).long() + (torch.arange(n) >= 129).long() + (torch.arange(n) >= 257).long()
+        doc[1] = torch.arange(n) // 37  # many short documents, none aligned with the tiles
+    return doc
+
+
+@pytest.mark.parametrize("n", [1, 100, 300, 640])
+@pytest.mark.parametrize("kind", ["one", "packed"])
+def test_document_block_mask_lists_the_tiles_torch_lists(kind, n):
+    doc = documents(kind, 2, n)
+    got = attention.block_mask(None, n, doc)
+    want = create_block_mask(lambda b, h, q, kv: (kv <= q) & (doc[b, q] == doc[b, kv]), 2, 1, n, n, device="cpu")
+    full = listed(got.full_kv_num_blocks, got.full_kv_indices)
+    partial = listed(got.kv_num_blocks, got.kv_indices)
+    assert not full & partial
+    visible = listed(want.kv_num_blocks, want.kv_indices) | listed(want.full_kv_num_blocks, want.full_kv_indices)
+    assert visible <= full | partial  # every tile with a visible pair is listed
+    assert listed(want.full_kv_num_blocks, want.full_kv_indices) <= full
+    dense = torch.ones(n, n, dtype=torch.bool).tril() & (doc[:, :, None] == doc[:, None, :])
+    tile = attention.BLOCK
+    for b, row, col in full:
+        assert dense[b, row * tile:(row + 1) * tile, col * tile:(col + 1) * tile].all()
+    assert listed(got.full_q_num_blocks, got.full_q_indices) == {(b, c, r) for b, r, c in full}
+
+
+@pytest.mark.parametrize("kind", ["one", "packed"])
+def test_causal_document_attention_is_masked_sdpa(kind):
+    gen = torch.Generator().manual_seed(2)
+    b, h, kvh, n, d = 2, 4, 2, 300, 16
+    q, k, v, dy = (torch.randn(b, heads, n, d, generator=gen, dtype=torch.float64) for heads in (h, kvh, kvh, h))
+    doc = documents(kind, b, n)
+    mask = torch.ones(n, n, dtype=torch.bool).tril() & (doc[:, None, :, None] == doc[:, None, None, :])
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*ins, attn_mask=mask, scale=0.3, enable_gqa=True)
+    want_grads = torch.autograd.grad(want, ins, dy)
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = attention.causal_document_attention(*ins, doc, 0.3)
+    got_grads = torch.autograd.grad(got, ins, dy)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)

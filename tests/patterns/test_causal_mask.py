@@ -137,8 +137,10 @@ class _Masked(torch.nn.Module):
 
 
 @pytest.mark.parametrize("window, extra_shape, reason", [
-    (None, (2, 1, 7, 7), " (2, 1, 7, 7) varies along the query axis: not a key padding"),
-    (3, (2, 1, 1, 7), "the mask's constant part is not the plain causal mask (sliding window or packed sequences)"),
+    (None, (2, 1, 7, 7), " (2, 1, 7, 7) varies along the query axis: not a key padding; as packed sequences: "
+                         "bool_1 is not part of a packed-sequence mask"),
+    (3, (2, 1, 1, 7), "the mask's constant part is not the plain causal mask (sliding window or packed sequences); "
+                      "as packed sequences: a constant factor is neither all True nor causal"),
 ])
 def test_masks_that_are_not_causal_and_key_padding_stay(tmp_path, monkeypatch, window, extra_shape, reason):
     monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
@@ -158,7 +160,7 @@ def test_padding_option_off_keeps_the_mask(tmp_path, monkeypatch):
     monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
     model = qwen3_moe(attn_implementation="sdpa", num_hidden_layers=1)
     ids = token_batch()
-    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path), "moe_fuse.causal_sdpa_padding": False}
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path), "moe_fuse.causal_sdpa_flex": False}
     loss_and_grads(torch.compile(model, backend="moe_fuse", options=options), ids, use_cache=False,
                    attention_mask=padding_mask(ids, "right"))
     (call,) = sdpa_calls(tmp_path)
@@ -281,3 +283,77 @@ def test_grouped_heads_off_keeps_the_repeats(tmp_path):
     assert "attn_mask = None" in call and "is_causal = True" in call and "enable_gqa" not in call, call
     (rewrite,) = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_sdpa_mask"]
     assert "gqa_group" not in rewrite
+
+
+@pytest.mark.parametrize("positions", ["packed", "plain"])
+def test_packed_sequences_become_one_flex_attention_call(tmp_path, monkeypatch, positions):
+    """position_ids without an attention_mask: transformers masks each packed sequence to itself (and, under
+    compile, builds that mask for plain positions too). Proved from the graph, it becomes
+    attention.causal_document_attention on the document ids: loss, logits and every gradient as eager's."""
+    monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
+    model = qwen3_moe(attn_implementation="sdpa")
+    ids = token_batch()
+    if positions == "packed":  # row 0: sequences of 5 and 7 tokens; row 1: 3, 3 and 6
+        position_ids = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]),
+                                    torch.cat([torch.arange(3), torch.arange(3), torch.arange(6)])])
+    else:
+        position_ids = torch.arange(12).expand(2, 12)
+    eager = loss_and_grads(model, ids, use_cache=False, position_ids=position_ids)
+    assert_parity(eager, compile_and_run(model, ids, tmp_path, use_cache=False, position_ids=position_ids))
+    assert sdpa_calls(tmp_path) == []
+    text = "".join(p.read_text() for p in sorted(tmp_path.glob("graph_*/after.py")))
+    calls = re.findall(r"= moe_fuse_attention_causal_document_attention\((.*)\)", text)
+    assert len(calls) == 2 and "in repeat_kv" not in text
+    for call in calls:  # q, unrepeated k and v, transformers' document ids, the layer's scale
+        assert re.fullmatch(r"q_embed(_\d+)?, k_embed(_\d+)?, value_states(_\d+)?, packed_sequence_mask, "
+                            r"0\.35355\d*", call), call
+    rewrites = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_packed_sdpa_mask"]
+    assert [(m["kernel"], m["gqa_group"]) for m in rewrites] == [("flex_attention", 2)] * 2
+
+
+class _Packed(torch.nn.Module):
+    """transformers' packed-sequence mask, written out, with one deviation at a time."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.variant = variant
+
+    def forward(self, q, k, v, pos):
+        n = q.shape[-2]
+        other = pos.flip(-1) if self.variant == "other_positions" else pos
+        step = 2 if self.variant == "steps_of_two" else 1
+        docs = (torch.diff(other, prepend=other[:, :1] - 1, dim=-1) != step).cumsum(-1)
+        b = torch.arange(q.shape[0])[:, None, None, None]
+        qi = torch.arange(n)[None, None, :, None]
+        ki = torch.arange(n)[None, None, None, :]
+        order = pos[b, ki] >= pos[b, qi] if self.variant == "reversed_order" else pos[b, ki] <= pos[b, qi]
+        mask = (torch.ones((), dtype=torch.bool) & order & (docs[b, qi] == docs[b, ki])).expand(q.shape[0], 1, n, n)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("exact", None),
+    ("steps_of_two", "the document ids do not count position steps other than +1"),
+    ("other_positions", "the document ids come from other positions than the order"),
+    ("reversed_order", "order is not positions[b, key] <= positions[b, query]"),
+])
+def test_packed_mask_deviations_stay(tmp_path, monkeypatch, variant, reason):
+    monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
+    q, k, v = (torch.randn(2, 3, 9, 4, requires_grad=True) for _ in range(3))
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1], [5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    options = {"moe_fuse.inner": "aot_eager", "moe_fuse.debug_dir": str(tmp_path)}
+    want = _Packed(variant)(q, k, v, pos)
+    got = torch.compile(_Packed(variant), backend="moe_fuse", options=options)(q, k, v, pos)
+    torch.testing.assert_close(got, want)
+    dy = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), dy), torch.autograd.grad(want, (q, k, v), dy)):
+        torch.testing.assert_close(a, b)
+    if reason is None:
+        assert sdpa_calls(tmp_path) == []
+        (match,) = [m for r in reports(tmp_path) for m in r["matches"]]
+        assert match["pattern"] == "causal_packed_sdpa_mask"
+    else:
+        (call,) = sdpa_calls(tmp_path)
+        assert "attn_mask = None" not in call
+        (rejected,) = [r["reason"] for rep in reports(tmp_path) for r in rep["rejected"]]
+        assert rejected.endswith("as packed sequences: " + reason), rejected
