@@ -55,22 +55,30 @@ def test_block_mask_lists_the_tiles_torch_lists(kind, n):
     assert got.seq_lengths == (n, n) and got.BLOCK_SIZE == want.BLOCK_SIZE
 
 
-@pytest.mark.parametrize("kind", ["ones", "right", "left", "random"])
-def test_causal_padded_attention_is_masked_sdpa(kind):
-    gen = torch.Generator().manual_seed(1)
+def against_masked_sdpa(fn, operand, mask, seed):
+    """fn(q, k, v, operand, 0.3) against SDPA with ``mask`` in float64 (grouped heads, a sequence of 300): the
+    output and the gradients of q, k and v; returns them."""
+    gen = torch.Generator().manual_seed(seed)
     b, h, kvh, n, d = 2, 4, 2, 300, 16
     q, k, v, dy = (torch.randn(b, heads, n, d, generator=gen, dtype=torch.float64) for heads in (h, kvh, kvh, h))
-    valid = key_valid(kind, b, n)
-    mask = torch.ones(n, n, dtype=torch.bool).tril() & valid[:, None, None, :]
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
     want = torch.nn.functional.scaled_dot_product_attention(*ins, attn_mask=mask, scale=0.3, enable_gqa=True)
     want_grads = torch.autograd.grad(want, ins, dy)
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = attention.causal_padded_attention(*ins, valid, 0.3)
+    got = fn(*ins, operand, 0.3)
     got_grads = torch.autograd.grad(got, ins, dy)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    return got, got_grads
+
+
+@pytest.mark.parametrize("kind", ["ones", "right", "left", "random"])
+def test_causal_padded_attention_is_masked_sdpa(kind):
+    n = 300
+    valid = key_valid(kind, 2, n)
+    mask = torch.ones(n, n, dtype=torch.bool).tril() & valid[:, None, None, :]
+    got, got_grads = against_masked_sdpa(attention.causal_padded_attention, valid, mask, seed=1)
     if kind == "left":
         assert got[0, :, : n // 2].abs().max() == 0 and got_grads[0][0, :, : n // 2].abs().max() == 0
 
@@ -105,17 +113,7 @@ def test_document_block_mask_lists_the_tiles_torch_lists(kind, n):
 
 @pytest.mark.parametrize("kind", ["one", "packed"])
 def test_causal_document_attention_is_masked_sdpa(kind):
-    gen = torch.Generator().manual_seed(2)
-    b, h, kvh, n, d = 2, 4, 2, 300, 16
-    q, k, v, dy = (torch.randn(b, heads, n, d, generator=gen, dtype=torch.float64) for heads in (h, kvh, kvh, h))
-    doc = documents(kind, b, n)
+    n = 300
+    doc = documents(kind, 2, n)
     mask = torch.ones(n, n, dtype=torch.bool).tril() & (doc[:, None, :, None] == doc[:, None, None, :])
-    ins = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = torch.nn.functional.scaled_dot_product_attention(*ins, attn_mask=mask, scale=0.3, enable_gqa=True)
-    want_grads = torch.autograd.grad(want, ins, dy)
-    ins = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = attention.causal_document_attention(*ins, doc, 0.3)
-    got_grads = torch.autograd.grad(got, ins, dy)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    for g, w in zip(got_grads, want_grads):
-        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    against_masked_sdpa(attention.causal_document_attention, doc, mask, seed=2)
