@@ -322,7 +322,8 @@ class _Packed(torch.nn.Module):
         n = q.shape[-2]
         other = pos.flip(-1) if self.variant == "other_positions" else pos
         step = 2 if self.variant == "steps_of_two" else 1
-        docs = (torch.diff(other, prepend=other[:, :1] - 1, dim=-1) != step).cumsum(-1)
+        width = 2 if self.variant == "prepend_two" else 1
+        docs = (torch.diff(other, prepend=other[:, :width] - 1, dim=-1) != step).cumsum(-1)
         b = torch.arange(q.shape[0])[:, None, None, None]
         qi = torch.arange(n)[None, None, :, None]
         ki = torch.arange(n)[None, None, None, :]
@@ -336,6 +337,7 @@ class _Packed(torch.nn.Module):
     ("steps_of_two", "the document ids do not count position steps other than +1"),
     ("other_positions", "the document ids come from other positions than the order"),
     ("reversed_order", "order is not positions[b, key] <= positions[b, query]"),
+    ("prepend_two", "document ids (2, 10) are not [B, 9]"),  # ids shifted by one position
 ])
 def test_packed_mask_deviations_stay(tmp_path, monkeypatch, variant, reason):
     monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
