@@ -359,3 +359,22 @@ def test_packed_mask_deviations_stay(tmp_path, monkeypatch, variant, reason):
         assert "attn_mask = None" not in call
         (rejected,) = [r["reason"] for rep in reports(tmp_path) for r in rep["rejected"]]
         assert rejected.endswith("as packed sequences: " + reason), rejected
+
+
+def test_padded_mask_inside_checkpointed_layers(tmp_path, monkeypatch):
+    """Under activation checkpointing the padded mask is built outside each layer's body: its factors are followed
+    out of the body and proved there, and the body reads the mask's last query row."""
+    monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
+    model = qwen3_moe(attn_implementation="sdpa", output_router_logits=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = token_batch()
+    attention_mask = padding_mask(ids, "right")
+    eager = loss_and_grads(model, ids, use_cache=False, attention_mask=attention_mask)
+    loss, logits, _, grads = compile_and_run(model, ids, tmp_path, use_cache=False, attention_mask=attention_mask)
+    assert rel_err(loss, eager[0]) < 1e-5 and rel_err(logits, eager[1]) < 1e-5
+    for name in eager[3]:
+        assert rel_err(grads[name], eager[3][name]) < 1e-4, name
+    assert sdpa_calls(tmp_path) == []
+    rewrites = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_padded_sdpa_mask"]
+    assert len(rewrites) == 2 and all("wrap_body" in m["where"] and m["gqa_group"] == 2 for m in rewrites)
