@@ -11,9 +11,8 @@
     y = (ys * w.unsqueeze(-1)).view(T, k, H).sum(dim=1).to(x.dtype)
 
 Anchored on the first bmm. As in ``experts_grouped_mm``, the walk reads every literal
-(k, E, the chunk, the view, the clamp bounds) from the graph and checks it
-against the tensor shapes; what it does not check (the sentinel mask itself)
-the verifier proves on random probes.
+(k, E, the chunk, the view, the clamp bounds, the sentinel mask) from the graph and checks it
+against the tensor shapes; the verifier then proves the match on random probes.
 
 The sentinels: 5.24 clamps the ids and zeroes the routing weight of rows whose
 id is >= E, which is what ``moe_fuse.experts`` does with such ids, so the
@@ -41,6 +40,7 @@ from ..pipeline.graph import (
     is_op,
     same_size,
     shape_of,
+    stray_writes,
     user_of,
 )
 
@@ -145,6 +145,10 @@ def match(up_bmm: fx.Node) -> Candidate:
     if is_op(w_flat, "masked_fill"):
         mask = arg(w_flat, 1, "mask")
         expect_literal(arg(w_flat, 2, "value"), 0, "sentinel fill value", w_flat)
+        ge = expect(mask, "ge")  # ids >= E, the slots of another rank's experts: the op adds nothing for those
+        if len(ge.args) != 2 or ge.args[0] is not flat_ids or ge.args[1] != E or isinstance(ge.args[1], bool):
+            found = " >= ".join(getattr(a, "name", repr(a)) for a in ge.args)
+            raise NoMatch(f"sentinel mask is {found}, expected {flat_ids.name} >= {E}", ge)
         w_flat = w_flat.args[0]
     expect(w_flat, "reshape", "view", "flatten")
     weights = w_flat.args[0]
@@ -165,7 +169,9 @@ def match(up_bmm: fx.Node) -> Candidate:
     notes = []
     if clamped and mask is None:
         notes.append(f"expert ids clamped to [0, {E - 1}] without a sentinel mask: proved on in-range ids")
-    return experts_candidate(NAME, spec, (x, ids, weights, w_gate_up, w_down), out, up_bmm, notes)
+    cand = experts_candidate(NAME, spec, (x, ids, weights, w_gate_up, w_down), out, up_bmm, notes)
+    stray_writes(cand.region, ())
+    return cand
 
 
 def _weight_gather(bmm: fx.Node) -> fx.Node | None:

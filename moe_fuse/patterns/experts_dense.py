@@ -48,6 +48,7 @@ from ..pipeline.graph import (
     meta_value,
     same_size,
     shape_of,
+    stray_writes,
     user_of,
 )
 from .experts_grouped_mm import match_glu, match_swiglu_limit
@@ -91,7 +92,7 @@ def _score_column(col: fx.Node, E: int, T) -> fx.Node:
 
 def _topk_scores(scores: fx.Node):
     """``sigmoid(full_like(logits, -inf).scatter_(1, ids, values)[.float()])[.to(dtype)]`` with (values, ids) one
-    top-k of logits -> (logits, k, largest..., upcast, scatter node, topk)."""
+    top-k of logits -> (logits, k, sorted, upcast, topk, scatter)."""
     s = scores
     if is_(s, "to", "type_as", "type"):
         s = s.args[0]
@@ -130,7 +131,7 @@ def _topk_scores(scores: fx.Node):
     sorted_ = arg(topk, 4, "sorted", True)
     if not isinstance(sorted_, bool):
         raise NoMatch(f"top-k sorted={sorted_!r}", topk)
-    return logits, k, sorted_, upcast, topk
+    return logits, k, sorted_, upcast, topk, scatter
 
 
 def _combined(down: fx.Node, E: int, T, H: int) -> fx.Node:
@@ -187,7 +188,7 @@ def match(up_bmm: fx.Node) -> Candidate:
     if shape_of(x)[1] != H:
         raise NoMatch(f"hidden states {list(shape_of(x))} do not fit gate_up {[E, H, two_i]}", rep)
     scores = _score_column(col, E, T)
-    logits, k, sorted_, upcast, topk = _topk_scores(scores)
+    logits, k, sorted_, upcast, topk, scatter = _topk_scores(scores)
     if not 1 <= k <= E:
         raise NoMatch(f"top-k {k} with {E} experts", topk)
     if shape_of(logits)[1] != E:
@@ -222,10 +223,12 @@ def match(up_bmm: fx.Node) -> Candidate:
     inputs = [x, logits, w_gate_up, w_down]
     save_h = torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False) for n in inputs)
     encoded = () if epilogue == Epilogue() else (epilogue.encode(),)  # the op's default left out
+    region = collect_region(inputs, [out])
+    stray_writes(region, {scatter})  # the scores' scatter_ into full_like(logits, -inf), and no other write
     return Candidate(
         pattern=NAME,
         spec=spec,
-        region=collect_region(inputs, [out]),
+        region=region,
         op=functools.partial(dense_as_routed, top_k=k, sorted=sorted_, upcast=upcast, score_dtype=dtype_of(scores),
                              row_dtype=dtype, hidden=H),
         op_args=(*inputs, save_h, *encoded),

@@ -26,9 +26,12 @@ W_gate_up and W_down to the GEMMs as they are, without the transposes; the op th
 (views). GPT-OSS's biases go to ``ops.experts_with_biases``; its interleaved gate/up rows are part of the op's
 epilogue (``spec.Epilogue``), as the activation and its constants are.
 
-Anchored on the first grouped GEMM. The walk reads every literal (k, E, the
-chunk, the view) from the graph and checks it against the tensor shapes; the
-verifier then proves the match on random probes.
+Anchored on the first grouped GEMM. The walk reads every literal and index the op assumes from the graph and
+checks it against the tensor shapes: k, E, the histogram's bounds, the sort, the chunk, the arange of the
+un-permutation (0 to S, step 1), the [S, 1] column of routing weights, the sentinel mask (sorted ids >= E, filled
+with 0), the combine's view and sum; every in-place write in the block is one of those it read. With
+``moe_fuse.verify=False`` that walk alone decides; with verification on (the default) the verifier then proves the
+match on random probes.
 """
 
 from __future__ import annotations
@@ -43,24 +46,45 @@ from ..spec import Epilogue, ExpertsSpec
 from ..pipeline.candidate import Candidate, Pattern, Rejection
 from ..pipeline.graph import (
     NoMatch,
+    arange_bounds,
     arg,
     collect_region,
     dtype_of,
     expect,
     expect_literal,
+    expect_shape,
     getitem_user,
+    is_mutation,
     is_op,
     meta_value,
+    op_name,
     same_size,
     shape_of,
+    stray_writes,
     user_of,
 )
 
 NAME = "grouped_mm_experts"
 
 
+_CASTS = ("to", "float", "int", "contiguous")
+# Dtypes that hold every expert id exactly (histc's input: a float of few bits would merge experts).
+_EXACT_ID_DTYPES = (torch.int64, torch.int32, torch.float32, torch.float64)
+
+
 def _skip_casts(node):
-    while is_op(node, "to", "float", "int", "contiguous"):
+    while is_op(node, *_CASTS):
+        node = node.args[0]
+    return node
+
+
+def _through_casts(node, dtypes, what: str):
+    """``node`` through its casts (``.to``, ``.float()``, ``.int()``, ``.contiguous()``), each to one of ``dtypes``:
+    a cast to another dtype on the way (a round trip through bf16) changes the values."""
+    while is_op(node, *_CASTS):
+        if dtype_of(node) not in dtypes:
+            wanted = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise NoMatch(f"{what} cast to {str(dtype_of(node)).removeprefix('torch.')}, expected {wanted}", node)
         node = node.args[0]
     return node
 
@@ -100,11 +124,11 @@ def _mm_operands(mm: fx.Node):
 
 def _skip_bias(mm: fx.Node, sorted_ids: fx.Node, shape: tuple, what: str):
     """transformers' ``out.add_(bias[sorted ids])`` after a grouped GEMM (``has_bias``) -> (what reads the
-    biased rows, the bias [E, N]); (mm, None) without one. An add into the GEMM's rows of anything else is
-    no match."""
+    biased rows, the bias [E, N], the add); (mm, None, None) without one. An add into the GEMM's rows of anything
+    else is no match."""
     adds = [u for u in mm.users if is_op(u, "add_", "add") and u.args and u.args[0] is mm]
     if not adds:
-        return mm, None
+        return mm, None, None
     if len(adds) > 1:
         raise NoMatch(f"{what} GEMM output gets {len(adds)} adds, expected one bias", adds[1])
     add = adds[0]
@@ -114,7 +138,7 @@ def _skip_bias(mm: fx.Node, sorted_ids: fx.Node, shape: tuple, what: str):
     bias = rows.args[0]
     if bias.op not in ("placeholder", "get_attr") or shape_of(bias) != shape:
         raise NoMatch(f"{what} bias {bias.name} has shape {shape_of(bias)}, expected {list(shape)}", rows)
-    return (mm if is_op(add, "add_") else add), bias
+    return (mm if is_op(add, "add_") else add), bias, add
 
 
 def _column_half(index) -> int | None:
@@ -147,12 +171,37 @@ def _gate_up_split(node: fx.Node):
     return getitem_user(chunk, 0), getitem_user(chunk, 1), False
 
 
-def _skip_sentinel_mask(node: fx.Node):
-    """``h.masked_fill(mask, 0)`` after a grouped GEMM (EP sentinels) -> (h's next step, mask)."""
-    user = user_of(node, "masked_fill", "chunk", "mul")
-    if is_op(user, "masked_fill"):
-        return user_of(user, "chunk", "mul"), user.args[1]
-    return user, None
+def _sentinel_fill(fill: fx.Node, sorted_ids: fx.Node, E: int, S) -> fx.Node:
+    """``rows.masked_fill(mask, 0)`` (or ``masked_fill_``) with transformers' expert-parallel sentinel mask
+    ``(sorted_ids >= E).unsqueeze(-1)`` -> the mask. Another mask or fill value is no match: the op zeroes the rows
+    of sentinel ids (>= E) and no others."""
+    mask, value = arg(fill, 1, "mask"), arg(fill, 2, "value")
+    if isinstance(value, bool) or value != 0:
+        raise NoMatch(f"rows filled with {value!r} under a mask, expected 0 (the sentinel rows)", fill)
+    if not is_op(mask, "unsqueeze", "view", "reshape"):
+        raise NoMatch(f"rows masked by {getattr(mask, 'name', mask)}, expected (sorted ids >= {E}).unsqueeze(-1)", fill)
+    expect_shape(mask, (S, 1), "the sentinel mask", fill)
+    ge = expect(mask.args[0], "ge")
+    if len(ge.args) != 2 or ge.args[0] is not sorted_ids or ge.args[1] != E or isinstance(ge.args[1], bool):
+        found = " >= ".join(getattr(a, "name", repr(a)) for a in ge.args)
+        raise NoMatch(f"sentinel mask is {found}, expected {sorted_ids.name} >= {E}", ge)
+    return mask
+
+
+def _id_writes(sorted_ids: fx.Node, masks, E: int) -> list[fx.Node]:
+    """The in-place writes into the sorted expert ids: only transformers' ``clamp_(max=E-1)`` (expert parallelism),
+    after the sentinel masks read the ids. Returns them."""
+    writes = [u for u in sorted_ids.users if is_mutation(u) and u.args[0] is sorted_ids]
+    for w in writes:
+        if not is_op(w, "clamp_") or len(w.args) > 3:
+            raise NoMatch(f"an in-place {op_name(w)} writes into the sorted expert ids, expected clamp_(max={E - 1})",
+                          w)
+        low, high = arg(w, 1, "min"), arg(w, 2, "max")
+        if low not in (None, 0) or isinstance(low, bool) or high != E - 1 or isinstance(high, bool):
+            raise NoMatch(f"sorted expert ids clamped to [{low}, {high}], expected clamp_(max={E - 1})", w)
+        if any(w < mask.args[0] for mask in masks):
+            raise NoMatch("the sorted expert ids are clamped before the sentinel mask reads them", w)
+    return writes
 
 
 def match_combine(rows: fx.Node, k: int, H: int, x: fx.Node) -> fx.Node:
@@ -164,10 +213,15 @@ def match_combine(rows: fx.Node, k: int, H: int, x: fx.Node) -> fx.Node:
     dims = list(view.args[1:]) if len(view.args) > 2 else list(view.args[1])
     if len(dims) != 3 or dims[1] != k or dims[2] not in (H, -1):
         raise NoMatch(f"combine views rows as {dims}, expected [T, {k}, {H}]", view)
+    expect_shape(view, (shape_of(x)[0], k, H), "the combine's view of the rows")
     total = user_of(view, "sum")
+    if total.args[0] is not view:
+        raise NoMatch("the combine sums something else than the rows viewed [T, k, H]", total)
     expect_literal(arg(total, 1, "dim"), 1, "combine sum dim", total)
     if arg(total, 2, "keepdim", False):
         raise NoMatch("combine sum keeps its dim", total)
+    if dtype_of(total) != dtype_of(view):
+        raise NoMatch(f"combine sums {dtype_of(view)} rows in {dtype_of(total)}", total)
     out = total
     if len(total.users) == 1 and is_op(next(iter(total.users)), "to"):
         cast = next(iter(total.users))
@@ -192,7 +246,7 @@ def match(up_mm: fx.Node) -> Candidate:
     expect_literal(arg(hist, 1, "bins"), E, "histc bins", hist)
     expect_literal(arg(hist, 2, "min"), 0, "histc min", hist)
     expect_literal(arg(hist, 3, "max"), E - 1, "histc max", hist)
-    sorted_ids = expect(_skip_casts(arg(hist, 0, "input")), "getitem")
+    sorted_ids = expect(_through_casts(arg(hist, 0, "input"), _EXACT_ID_DTYPES, "histc input"), "getitem")
     sort = expect(sorted_ids.args[0], "sort")
     expect_literal(sorted_ids.args[1], 0, "sorted ids index", sorted_ids)
     if arg(sort, 1, "dim", -1) not in (-1, 0) or arg(sort, 2, "descending", False):
@@ -200,10 +254,16 @@ def match(up_mm: fx.Node) -> Candidate:
     perm = getitem_user(sort, 1)
     flat_ids = expect(arg(sort, 0, "input"), "reshape", "view", "flatten")
     ids = flat_ids.args[0]
+    if len(shape_of(ids)) != 2:
+        raise NoMatch(f"expert ids {list(shape_of(ids))} are not [tokens, k]", flat_ids)
     T, k = shape_of(ids)
+    S = shape_of(perm)[0]
+    expect_shape(flat_ids, (S,), "the flat expert ids")
 
     # Gathered rows: x[perm // k], possibly masked in place for EP sentinels.
-    gathered = expect(_skip_casts(a), "getitem")
+    gathered = expect(_through_casts(a, (dtype_of(up_mm),), "gathered rows"), "getitem")
+    if len(gathered.args) != 2:
+        raise NoMatch("rows gathered with more than one index", gathered)
     x, row_token = gathered.args
     expect(row_token, "floordiv")
     if row_token.args[0] is not perm:
@@ -214,9 +274,9 @@ def match(up_mm: fx.Node) -> Candidate:
 
     # gate_up GEMM -> [bias] -> [mask] -> chunk(2) or even / odd columns -> silu(gate) * up -> down GEMM;
     # or, for experts without a gate, up GEMM -> [mask] -> relu(up)^2 -> down GEMM.
-    biased, gate_up_bias = _skip_bias(up_mm, sorted_ids, (E, two_i), "gate_up")
+    biased, gate_up_bias, up_add = _skip_bias(up_mm, sorted_ids, (E, two_i), "gate_up")
     masks = [u for u in biased.users if is_op(u, "masked_fill")]
-    mask = masks[0].args[1] if len(masks) == 1 else None
+    mask = _sentinel_fill(masks[0], sorted_ids, E, S) if len(masks) == 1 else None
     h = masks[0] if mask is not None else biased
     if any(is_op(u, "relu") for u in h.users):
         if gate_up_bias is not None:
@@ -232,6 +292,8 @@ def match(up_mm: fx.Node) -> Candidate:
     while not is_op(down_mm, "grouped_mm"):
         down_mm = user_of(down_mm, "to", "grouped_mm", "contiguous")
     a2, w_d_t, offs2 = _mm_operands(down_mm)
+    if _through_casts(a2, (dtype_of(down_mm),), "gated activation") is not glu:
+        raise NoMatch("the down GEMM does not multiply the gated activation", down_mm)
     if offs2 is not offs:
         raise NoMatch("the two grouped GEMMs use different offsets", down_mm)
     w_down, down_transposed = _expert_weight(w_d_t, "down")
@@ -241,30 +303,41 @@ def match(up_mm: fx.Node) -> Candidate:
         raise NoMatch(f"down weight {shape_of(w_down)} does not fit gate_up {shape_of(w_gate_up)}", down_mm)
 
     # [bias] -> weighted combine: ys * weights[perm] -> un-permute -> view(T, k, H).sum(1).
-    biased_down, down_bias = _skip_bias(down_mm, sorted_ids, (E, H), "down")
+    biased_down, down_bias, down_add = _skip_bias(down_mm, sorted_ids, (E, H), "down")
     if not any(is_op(u, "masked_fill", "mul") for u in biased_down.users) and _normalized(biased_down):
         raise NoMatch("each expert's output rows are normalized before the routing weights (a norm after each "
                       "expert, transformers' has_post_expert_norm): not fused", biased_down)
-    scale, mask2 = _skip_sentinel_mask(biased_down)
-    expect(scale, "mul")
-    w_col = [a for a in scale.args if isinstance(a, fx.Node) and is_op(a, "unsqueeze", "view", "reshape")]
-    if len(w_col) != 1:
+    ys = user_of(biased_down, "masked_fill", "mul")
+    mask2 = _sentinel_fill(ys, sorted_ids, E, S) if is_op(ys, "masked_fill") else None
+    rows = ys if mask2 is not None else biased_down
+    scale = user_of(rows, "mul")
+    w_col = [a for a in scale.args if a is not rows]
+    if len(scale.args) != 2 or scale.kwargs or len(w_col) != 1 or not is_op(w_col[0], "unsqueeze", "view", "reshape"):
         raise NoMatch("rows are not scaled by a column of routing weights", scale)
+    expect_shape(w_col[0], (S, 1), "the column of routing weights", scale)
     w_rows = expect(w_col[0].args[0], "getitem")
     if w_rows.args[1] is not perm:
         raise NoMatch("routing weights gathered with an index other than the sort permutation", w_rows)
     flat_w = expect(w_rows.args[0], "reshape", "view", "flatten")
+    expect_shape(flat_w, (S,), "the flat routing weights")
     weights = flat_w.args[0]
     if shape_of(weights) != shape_of(ids):
         raise NoMatch(f"routing weights {shape_of(weights)} and ids {shape_of(ids)} differ in shape", flat_w)
 
-    unperm = user_of(scale, "getitem")
-    inv = unperm.args[1]
-    expect(inv, "empty_like")
-    writes = [u for u in inv.users if is_op(u, "setitem")]
-    if len(writes) != 1 or writes[0].args[1] is not perm or not is_op(writes[0].args[2], "arange"):
-        raise NoMatch("the un-permutation is not inv[perm] = arange(S)", inv)
+    unperm, unpermute = _unpermuted(scale, perm, S)
     out = match_combine(unperm, k, H, x)
+
+    # The in-place writes the walk read: the sentinel pre-mask of the gathered rows, the ids' clamp, the biases,
+    # the un-permutation. Any other write into a tensor of the block is no match (the rewrite would drop it).
+    sentinel_masks = [m for m in (mask, mask2) if m is not None]
+    allowed = {unpermute, up_add, down_add}
+    for write in (u for u in gathered.users if is_mutation(u) and u.args[0] is gathered):
+        if not is_op(write, "masked_fill_"):
+            raise NoMatch(f"an in-place {op_name(write)} writes into the gathered rows, expected only the sentinel "
+                          "pre-mask masked_fill_(mask, 0)", write)
+        sentinel_masks.append(_sentinel_fill(write, sorted_ids, E, S))
+        allowed.add(write)
+    allowed.update(_id_writes(sorted_ids, sentinel_masks, E))
 
     spec = ExpertsSpec(
         num_experts=E,
@@ -290,10 +363,38 @@ def match(up_mm: fx.Node) -> Candidate:
         notes.append("expert biases: gate_up's added inside the SwiGLU passes, down's as a routing-weighted "
                      "[T, E] x [E, H] GEMM added to the output")
     if gate_up_bias is not None or down_bias is not None:
-        return biased_experts_candidate(spec, (x, ids, weights, w_gate_up, w_down), gate_up_bias, down_bias, out,
+        cand = biased_experts_candidate(spec, (x, ids, weights, w_gate_up, w_down), gate_up_bias, down_bias, out,
                                         up_mm, notes, stored_transposed)
-    return experts_candidate(NAME, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm, notes,
+        stray_writes(cand.region, allowed)
+        return cand
+    cand = experts_candidate(NAME, spec, (x, ids, weights, w_gate_up, w_down), out, up_mm, notes,
                              stored_transposed=stored_transposed)
+    stray_writes(cand.region, allowed)
+    return cand
+
+
+def _unpermuted(rows: fx.Node, perm: fx.Node, S) -> tuple[fx.Node, fx.Node]:
+    """``rows[inv]`` with ``inv = empty_like(perm); inv[perm] = arange(S)``, the inverse of the sort permutation
+    (start 0, step 1: any other arange is another permutation) -> (the un-permuted rows, the write into inv)."""
+    unperm = user_of(rows, "getitem")
+    if unperm.args[0] is not rows:
+        raise NoMatch(f"{rows.name} is used as an index, expected rows[inv] (the un-permutation)", unperm)
+    inv = expect(unperm.args[1], "empty_like")
+    expect_shape(inv, (S,), "the inverse permutation")
+    writes = [u for u in inv.users if is_mutation(u) and u.args[0] is inv]
+    if len(writes) != 1 or not is_op(writes[0], "setitem") or writes[0].args[1] is not perm:
+        raise NoMatch("the un-permutation is not inv[perm] = arange(S) (and no other write into inv)", inv)
+    write = writes[0]
+    rng = expect(write.args[2], "arange")
+    start, end, step = arange_bounds(rng)
+    if not (same_size(start, 0) and same_size(step, 1) and same_size(end, S)):  # no guards on symbolic sizes
+        raise NoMatch(f"the un-permutation writes arange({start}, {end}, {step}) into inv, expected arange(0, {S}, 1)",
+                      rng)
+    if dtype_of(rng) not in (torch.int64, torch.int32):
+        raise NoMatch(f"the un-permutation's arange is {dtype_of(rng)}, expected int64", rng)
+    if not write < unperm:
+        raise NoMatch("the rows are un-permuted before inv[perm] = arange(S) is written", unperm)
+    return unperm, write
 
 
 def _normalized(rows: fx.Node, hops: int = 10) -> bool:

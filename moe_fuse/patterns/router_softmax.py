@@ -18,7 +18,18 @@ import torch.fx as fx
 from .. import ops  # noqa: F401  (registers torch.ops.moe_fuse)
 from ..spec import RouterSpec
 from ..pipeline.candidate import Candidate, Pattern, Rejection
-from ..pipeline.graph import NoMatch, arg, collect_region, dtype_of, expect, expect_literal, getitem_user, is_op, shape_of
+from ..pipeline.graph import (
+    NoMatch,
+    arg,
+    collect_region,
+    dtype_of,
+    expect,
+    expect_literal,
+    getitem_user,
+    is_op,
+    shape_of,
+    stray_writes,
+)
 
 NAME = "softmax_topk_router"
 
@@ -47,9 +58,9 @@ def match(topk: fx.Node) -> Candidate:
     expect(probs, "softmax")
     logits = arg(probs, 0, "input")
     _last_dim(arg(probs, 1, "dim"), len(shape_of(logits)), probs)
-    # softmax(logits, dtype=float32) (Qwen, OLMoE) or softmax(logits.float()) (Mixtral): fp32 either way.
-    softmax_dtype = probs.kwargs.get("dtype", arg(probs, 3, "dtype")) or dtype_of(logits)
-    expect_literal(softmax_dtype, torch.float32, "softmax dtype", probs)
+    # softmax(logits, dtype=float32) (Qwen, OLMoE) or softmax(logits.float()) (Mixtral): fp32 either way. The result's
+    # dtype is the one softmax computes in, however the dtype was passed (F.softmax's is argument 3, torch's 2).
+    expect_literal(dtype_of(probs), torch.float32, "softmax dtype", probs)
     logits = _skip_upcast(logits)
 
     expect(logits, "linear")
@@ -72,18 +83,20 @@ def match(topk: fx.Node) -> Candidate:
     div = [u for u in values.users if is_op(u, "itruediv", "truediv")]
     if div:
         div = div[0]
-        total = div.args[1]
-        if not (is_op(total, "sum") and arg(total, 0, "input") is values):
+        total = div.args[1] if len(div.args) == 2 else None
+        if div.args[0] is not values or not (is_op(total, "sum") and arg(total, 0, "input") is values):
             raise NoMatch("top-k values divided by something other than their sum", div)
         _last_dim(arg(total, 1, "dim"), 2, total)
         if arg(total, 2, "keepdim", False) is not True:
             raise NoMatch("renorm sum without keepdim", total)
+        if dtype_of(total) != dtype_of(values):
+            raise NoMatch(f"renorm sums {dtype_of(values)} top-k values in {dtype_of(total)}", total)
         others = set(values.users) - {div, total}
         if others and is_op(div, "itruediv"):
             raise NoMatch("top-k values are read elsewhere and divided in place", div)
         weights, renorm = div, True
     casts = [u for u in weights.users if is_op(u, "to")]
-    if len(casts) == 1 and len(weights.users) == 1:
+    if len(casts) == 1 and len(weights.users) == 1 and dtype_of(casts[0]).is_floating_point:
         weights = casts[0]
     weights_dtype = dtype_of(weights)
 
@@ -91,6 +104,7 @@ def match(topk: fx.Node) -> Candidate:
         num_experts=E, top_k=k, hidden=H, renorm=renorm, dtype=dtype_of(x), weights_dtype=weights_dtype
     )
     region = collect_region([x, w_router], [logits, weights, ids])
+    stray_writes(region, {div} if renorm else ())  # values.mul_(2): the rewrite would drop it
     return Candidate(
         pattern=NAME,
         spec=spec,

@@ -182,6 +182,37 @@ def same_size(a, b) -> bool:
     return a == b
 
 
+def expect_shape(node, wanted, what: str, where: fx.Node | None = None):
+    """``node``'s shape is ``wanted`` (sizes compared as ``same_size``): a broadcast along the wrong axis of a
+    matching size (``w.unsqueeze(0)`` where ``w.unsqueeze(-1)`` is meant) gives another shape."""
+    got = shape_of(node)
+    if len(got) != len(wanted) or not all(same_size(a, b) for a, b in zip(got, wanted)):
+        raise NoMatch(f"{what} has shape {list(got)}, expected {list(wanted)}", where or node)
+
+
+def arange_bounds(node: fx.Node) -> tuple:
+    """(start, end, step) of ``torch.arange(end)`` / ``arange(start, end[, step])``, keywords too; a size that is
+    a graph value (``perm.size(0)`` under dynamic shapes) as its example value."""
+    args = list(node.args)
+    if len(args) == 1:  # arange(end)
+        args = [0, args[0]]
+    defaults = [0, None, 1]
+    bounds = args + defaults[len(args):]
+    for i, name in enumerate(("start", "end", "step")):
+        bounds[i] = node.kwargs.get(name, bounds[i])
+    return tuple(meta_value(b) if isinstance(b, fx.Node) else b for b in bounds)
+
+
+def stray_writes(region: Region, allowed) -> None:
+    """Raises NoMatch at the first in-place write of ``region`` that the walk did not read as part of the pattern
+    (``collect_region`` pulls every write into a block tensor into the region: the rewrite would drop it)."""
+    for node in region.nodes:
+        if is_mutation(node) and node not in allowed:
+            target = node.args[0].name if node.args and isinstance(node.args[0], fx.Node) else "?"
+            raise NoMatch(f"an in-place {op_name(node) or node.target} writes into {target}, a tensor of the block: "
+                          "not part of the pattern (the rewrite would drop it)", node)
+
+
 def concrete(size) -> int:
     """A concrete integer for a size: the hint of a symbolic one."""
     if isinstance(size, torch.SymInt):

@@ -144,13 +144,13 @@ def test_hand_written_block_is_fused(variant, tmp_path):
     torch.testing.assert_close(got, want)
 
 
-def test_semantic_difference_is_rejected_by_verification(tmp_path):
-    # The walk does not look inside the sentinel mask; the probes (with sentinel ids) do.
+def test_semantic_difference_in_the_sentinel_mask_is_rejected(tmp_path):
+    # The walk reads the sentinel mask: ids >= 0 masks every slot, not the slots of another rank's experts.
     want, got, report = run("mask_everything", tmp_path)
     assert report["matches"] == []
     (rejection,) = report["rejected"]
     assert rejection["pattern"] == "batched_mm_experts"
-    assert "differs: relative error" in rejection["reason"]
+    assert rejection["reason"] == f"sentinel mask is ids >= 0, expected ids >= {E}"
     torch.testing.assert_close(got, want, rtol=0, atol=0)  # exactly what eager gives
 
 

@@ -63,21 +63,59 @@ def test_hand_written_block_is_fused(tmp_path):
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("variant", ["reversed_unpermute", "mask_everything"])
-def test_semantic_difference_is_rejected_and_results_unchanged(variant, tmp_path):
-    want, got, report = run(variant, tmp_path)
+@pytest.mark.parametrize("variant, reason", [
+    ("reversed_unpermute", "the un-permutation writes arange(19, -1, -1) into inv, expected arange(0, 20, 1)"),
+    ("mask_everything", "sentinel mask is ids_sorted >= 0, expected ids_sorted >= 6"),
+])
+@pytest.mark.parametrize("verify", [True, False])
+def test_semantic_difference_is_rejected_and_results_unchanged(variant, reason, verify, tmp_path):
+    # The walk reads every literal the fused op assumes: these are no match, verification on or off.
+    want, got, report = run(variant, tmp_path, verify=verify)
+    assert [m["pattern"] for m in report["matches"]] == ["softmax_topk_router"]
+    (rejection,) = report["rejected"]
+    assert rejection["pattern"] == "grouped_mm_experts"
+    assert rejection["reason"] == reason
+    assert rejection["where"]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)  # what eager gives
+
+
+def _disagreeing_op(monkeypatch):
+    """The grouped_mm experts candidates with an op whose output is 1% off: what verification is for (a fused op
+    that disagrees with the block it replaces, whatever the walk read)."""
+    from moe_fuse.patterns import experts_grouped_mm
+
+    match = experts_grouped_mm.match
+
+    def match_with_a_wrong_op(node):
+        cand = match(node)
+        op = cand.op
+
+        def off_by_one_percent(*args):
+            return op(*args)[0] * 1.01
+
+        cand.op, cand.output_index = off_by_one_percent, [None]  # one tensor, the block's output
+        return cand
+
+    monkeypatch.setattr(experts_grouped_mm, "match", match_with_a_wrong_op)
+
+
+def test_a_fused_op_that_disagrees_is_rejected_and_results_unchanged(monkeypatch, tmp_path):
+    _disagreeing_op(monkeypatch)
+    want, got, report = run("exact", tmp_path)
     assert [m["pattern"] for m in report["matches"]] == ["softmax_topk_router"]
     (rejection,) = report["rejected"]
     assert rejection["pattern"] == "grouped_mm_experts"
     assert "differs: relative error" in rejection["reason"]
-    assert rejection["where"]
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)  # exactly what eager gives
+        torch.testing.assert_close(g, w)
 
 
-def test_without_verification_the_structural_match_alone_would_be_wrong(tmp_path):
-    # Why verification is on by default: the walk accepts this graph, the probes do not.
-    want, got, report = run("reversed_unpermute", tmp_path, verify=False)
+def test_without_verification_a_disagreeing_op_would_be_fused(monkeypatch, tmp_path):
+    # Why verification is on by default: the walk proves the block is the pattern, not that the op computes it.
+    _disagreeing_op(monkeypatch)
+    want, got, report = run("exact", tmp_path, verify=False)
+    assert sorted(m["pattern"] for m in report["matches"]) == ["grouped_mm_experts", "softmax_topk_router"]
     assert all(m["verified"] is False for m in report["matches"])
     assert not torch.allclose(got[0], want[0])
 
