@@ -12,6 +12,9 @@ separate gate (w1), up (w3) and down (w2) weights, computed in bf16, combined wi
     ys = (ys.to(float32) * scores.reshape(-1, 1)).to(ys.dtype)   # LocalTokenDispatcher.combine
     y = deterministic_scatter_add(zeros_like(x), tok.reshape(-1, 1).expand(-1, H), ys)   # or scatter_add
 
+    counts = zeros_like(scores, dtype=bool).scatter_(-1, top_k_ids, True).sum(dim=(0, 1))   # MoE.forward
+    counts = histc(top_k_ids.view(-1).float(), bins=E, min=0, max=E)                      # earlier TorchTitan
+
 Anchored on the gate GEMM (the grouped GEMM whose result goes through silu). The rewrite is
 
     y = moe_fuse.experts(x, ids.reshape(-1, k), scores.reshape(-1, k),
@@ -20,8 +23,8 @@ Anchored on the gate GEMM (the grouped GEMM whose result goes through silu). The
 The op rounds like the source: it casts the gathered rows to the weights' dtype, runs both GEMMs in
 it, applies the routing weight with type promotion and sums the k slots before the cast to x's
 dtype. The per-expert counts are not an input of the op, which routes from the ids itself; the walk
-only requires them to be computed from the same ids (the region holds them), and the verifier proves
-the whole block on random probes. The router (softmax or sigmoid scores, a selection bias, a gather
+reads them as one of the two spellings above, of the same ids (with ``moe_fuse.verify=False`` the walk
+alone decides), and the verifier proves the whole block on random probes. The router (softmax or sigmoid scores, a selection bias, a gather
 of the chosen scores) is left to the router patterns.
 """
 
@@ -42,8 +45,10 @@ from ..pipeline.graph import (
     expect_literal,
     is_op,
     meta_value,
+    op_name,
     same_size,
     shape_of,
+    stray_writes,
     user_of,
 )
 
@@ -51,6 +56,8 @@ NAME = "torchtitan_experts"
 
 _CASTS = ("to", "float", "bfloat16", "half", "type_as", "contiguous")
 _VIEWS = ("view", "reshape", "flatten")
+# Dtypes that hold every expert id exactly (a histogram's input).
+_EXACT_ID_DTYPES = (torch.int64, torch.int32, torch.float32, torch.float64)
 
 
 def _skip_casts(node):
@@ -118,6 +125,44 @@ def _through(node: fx.Node, *names) -> fx.Node:
             return node
 
 
+def _counts(counts: fx.Node, ids: fx.Node, E: int, k: int) -> fx.Node | None:
+    """The tokens per expert, from the same ids as the rows: ``histc(ids.view(-1).float(), bins=E, min=0, max=E)``
+    (or max E-1: either puts each id in [0, E) in its own bin), or the one-hot routing map
+    ``zeros_like(..., dtype=bool).scatter_(-1, ids, True)`` summed over every dim but the experts'. Returns the
+    scatter_ (an in-place write the block may hold), None for histc."""
+    if is_op(counts, "histc"):
+        flat = arg(counts, 0, "input")
+        while is_op(flat, "float", "to", "int") and dtype_of(flat) in _EXACT_ID_DTYPES:
+            flat = flat.args[0]
+        bins, low, high = arg(counts, 1, "bins"), arg(counts, 2, "min"), arg(counts, 3, "max")
+        if _root(flat) is not ids or len(shape_of(flat)) != 1:
+            raise NoMatch("expert counts are a histogram of something other than the flat expert ids", counts)
+        if bins != E or low != 0 or high not in (E - 1, E):
+            raise NoMatch(f"expert counts histc(bins={bins}, min={low}, max={high}), expected bins={E}, min=0, "
+                          f"max={E}", counts)
+        return None
+    if not (is_op(counts, "sum") and is_op(counts.args[0], "scatter_", "scatter")):
+        raise NoMatch(f"expert counts from {op_name(counts) or counts.target}, expected a histc of the ids or the sum "
+                      "of their one-hot routing map", counts)
+    total, one_hot = counts, counts.args[0]
+    base, dim = one_hot.args[0], arg(one_hot, 1, "dim")
+    index, value = arg(one_hot, 2, "index"), arg(one_hot, 3, "value", arg(one_hot, 3, "src"))
+    ndim = len(shape_of(index))
+    if _root(index) is not ids or shape_of(index)[-1] != k or dim not in (-1, ndim - 1) or value not in (True, 1):
+        raise NoMatch(f"expert counts from scatter_({dim}, {getattr(index, 'name', index)}, {value!r}), expected "
+                      "scatter_(-1, ids, True): the one-hot routing map", one_hot)
+    expect(base, "zeros", "zeros_like", "new_zeros")
+    if shape_of(base) != (*shape_of(index)[:-1], E):
+        raise NoMatch(f"routing map {list(shape_of(base))}, expected {[*shape_of(index)[:-1], E]}", base)
+    dims = arg(total, 1, "dim")
+    dims = set(dims) if isinstance(dims, (tuple, list)) else {dims}
+    if {d % ndim for d in dims if isinstance(d, int)} != set(range(ndim - 1)) or len(dims) != ndim - 1 \
+            or arg(total, 2, "keepdim", False):
+        raise NoMatch(f"routing map summed over dims {sorted(dims, key=str)}, expected every dim but the experts'",
+                      total)
+    return one_hot if is_op(one_hot, "scatter_") else None
+
+
 def experts_call(x, ids, weights, w_gate, w_up, w_down, top_k: int, compute_dtype: torch.dtype, save_h: bool):
     """What the region becomes (traced into the graph by the rewrite; called as is by the verifier)."""
     w_gate_up = torch.cat([w_gate.to(compute_dtype), w_up.to(compute_dtype)], dim=1)
@@ -159,6 +204,9 @@ def match(gate_mm: fx.Node) -> Candidate:
     expect_literal(offs.kwargs.get("dtype", arg(offs, 2, "dtype")), torch.int32, "offsets dtype", offs)
     if shape_of(offs) != (E,):
         raise NoMatch(f"offsets {shape_of(offs)} for {E} experts", offs)
+    if arg(offs, 1, "dim") not in (0, -1):
+        raise NoMatch(f"offsets summed over dim {arg(offs, 1, 'dim')}, expected 0", offs)
+    one_hot = _counts(arg(offs, 0, "input"), ids, E, k)
 
     # silu(x w1) * (x w3) -> down GEMM with w2.
     act = user_of(gate_mm, "silu")
@@ -242,10 +290,12 @@ def match(gate_mm: fx.Node) -> Candidate:
         notes.append(f"expert GEMMs in {str(compute_dtype).removeprefix('torch.')}, as the source casts "
                      f"({str(dtype_of(x)).removeprefix('torch.')} hidden states, "
                      f"{str(dtype_of(w1)).removeprefix('torch.')} weights)")
+    region = collect_region(inputs, [scatter])
+    stray_writes(region, {one_hot})  # the routing map's scatter_, and no other write
     return Candidate(
         pattern=NAME,
         spec=spec,
-        region=collect_region(inputs, [scatter]),
+        region=region,
         op=experts_call,
         op_args=(*inputs, k, compute_dtype, save_h),
         output_index=[None],

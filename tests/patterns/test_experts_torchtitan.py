@@ -182,8 +182,8 @@ class TitanStyleExperts(torch.nn.Module):
 
     def forward(self, x, ids, scores):
         T = x.shape[0]
-        if self.variant == "histc":
-            counts = torch.histc(ids.view(-1).float(), bins=E, min=0, max=E)
+        if self.variant in ("histc", "histc_wide"):  # the latter: bins 1.5 wide, two experts in the first
+            counts = torch.histc(ids.view(-1).float(), bins=E, min=0, max=E if self.variant == "histc" else E + 2)
         else:
             counts = torch.zeros(T, E, dtype=torch.bool).scatter_(-1, ids, True).sum(dim=0)
         if self.variant == "shifted_counts":  # offsets that do not belong to these ids
@@ -228,9 +228,33 @@ def test_hand_written_spellings_are_fused(variant, tmp_path):
     torch.testing.assert_close(got, want)
 
 
-def test_semantic_difference_is_rejected_by_verification(tmp_path):
-    # The walk only requires the counts to come from the ids; the probes show these do not fit them.
-    want, got, report = run("shifted_counts", tmp_path)
+@pytest.mark.parametrize("variant, reason", [
+    ("shifted_counts", "expert counts from roll, expected a histc of the ids or the sum of their one-hot routing map"),
+    ("histc_wide", f"expert counts histc(bins={E}, min=0, max={E + 2}), expected bins={E}, min=0, max={E}"),
+])
+def test_counts_that_do_not_fit_the_ids_are_rejected(variant, reason, tmp_path):
+    # The walk reads the counts (a histc or a one-hot routing map of the same ids): rejected before verification.
+    want, got, report = run(variant, tmp_path)
+    assert report["matches"] == []
+    (rejection,) = report["rejected"]
+    assert rejection["pattern"] == "torchtitan_experts"
+    assert rejection["reason"] == reason
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_fused_op_that_disagrees_is_rejected_by_verification(tmp_path, monkeypatch):
+    from moe_fuse.patterns import experts_torchtitan
+
+    match = experts_torchtitan.match
+
+    def match_with_a_wrong_op(node):  # the op's output doubled: what verification is for
+        cand = match(node)
+        op = cand.op
+        cand.op = lambda *args, **kwargs: op(*args, **kwargs) * 2
+        return cand
+
+    monkeypatch.setattr(experts_torchtitan, "match", match_with_a_wrong_op)
+    want, got, report = run("exact", tmp_path)
     assert report["matches"] == []
     (rejection,) = report["rejected"]
     assert rejection["pattern"] == "torchtitan_experts" and "differs" in rejection["reason"]
