@@ -182,11 +182,19 @@ def same_size(a, b) -> bool:
     return a == b
 
 
+def _fits(a, b) -> bool:
+    """Equal sizes for ``expect_shape``: as ``same_size``, or two symbols Dynamo keeps apart (the tokens an
+    expert-parallel exchange delivers, the weights beside them) with equal hints: the op then checks at run time
+    that ids and weights agree ([T, k]) and raises where they do not."""
+    symbolic = isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt)
+    return same_size(a, b) or symbolic and concrete(a) == concrete(b)
+
+
 def expect_shape(node, wanted, what: str, where: fx.Node | None = None):
-    """``node``'s shape is ``wanted`` (sizes compared as ``same_size``): a broadcast along the wrong axis of a
+    """``node``'s shape is ``wanted`` (sizes compared as ``_fits``): a broadcast along the wrong axis of a
     matching size (``w.unsqueeze(0)`` where ``w.unsqueeze(-1)`` is meant) gives another shape."""
     got = shape_of(node)
-    if len(got) != len(wanted) or not all(same_size(a, b) for a, b in zip(got, wanted)):
+    if len(got) != len(wanted) or not all(_fits(a, b) for a, b in zip(got, wanted)):
         raise NoMatch(f"{what} has shape {list(got)}, expected {list(wanted)}", where or node)
 
 
