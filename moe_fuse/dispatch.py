@@ -145,9 +145,9 @@ def host_bound_step(tokens, device: torch.device, grad: bool) -> str | None:
 
 
 def padded_attention_applies(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """The attention-mask rewrite of a causal mask with key padding: None where
-    ``attention.causal_padded_attention`` (FlexAttention) compiles into fused kernels, forward and backward, for
-    these inputs; else why not (the masked call then stays)."""
+    """The attention-mask rewrites of a causal mask with key padding or of packed sequences: None where
+    ``attention``'s FlexAttention functions compile into fused kernels, forward and backward, for these inputs;
+    else why not (the masked call then stays)."""
     if q.device.type != "cuda":
         return f"FlexAttention's compiled backward needs a GPU (the query is on {q.device.type})"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
