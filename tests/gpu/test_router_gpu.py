@@ -10,29 +10,15 @@ import torch
 
 from moe_fuse import config, dispatch, reference
 from moe_fuse.kernels import softmax_topk, softmax_topk_backward
+from support import routing
+from support.routing import INF
 
 pytestmark = pytest.mark.gpu
-NAN, INF = float("nan"), float("inf")
 
 
-def edge_rows(E, T=64, seed=0):
-    """[T, E] logits: a NaN, all NaN, all -inf, +inf entries, -inf but three, the largest float, all zero, ties
-    at and across the k-th value; the rest random (no ties)."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = torch.randn(T, E, generator=gen) * 3
-    rows[0, E // 3] = NAN
-    rows[1] = NAN
-    rows[2] = -INF
-    rows[3, E - 1] = INF
-    rows[4, [1, E - 2]] = INF
-    rows[5] = -INF
-    rows[5, [0, 2, E - 1]] = torch.tensor([1.0, 3.0, 0.0])
-    rows[6] = torch.finfo(torch.float32).max
-    rows[7] = 0.0
-    rows[8] = 1.0
-    rows[8, [E - 2, 0]] = 2.0
-    rows[9] = torch.randint(0, 3, (E,), generator=gen).float()
-    return rows.cuda()
+def edge_rows(E, seed=0):
+    """[64, E] edge-case logits (support.routing) on the GPU; the rest random, N(0, 9)."""
+    return routing.edge_rows(E, torch.Generator().manual_seed(seed), rows=64, scale=3.0).cuda()
 
 
 def eager(logits, k, renorm, dtype):

@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 
 from moe_fuse import reference  # noqa: E402
 from moe_fuse.kernels import softmax_topk, softmax_topk_backward  # noqa: E402
+from support.routing import INF, edge_rows  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
@@ -72,29 +73,6 @@ def test_ties_pick_equal_values_lowest_index_first():
     weights, ids = softmax_topk(logits, 2, False, torch.float32)
     assert ids.tolist() == [[1, 2]]
     torch.testing.assert_close(weights, torch_router(logits, 2, False, torch.float32)[0])
-
-
-NAN, INF = float("nan"), float("inf")
-
-
-def edge_rows(E, gen):
-    """[11, E] logits: a NaN, all NaN, all -inf, +inf entries (one, two), -inf but fewer finite entries than a
-    top-8 (zeros tie), the largest float, all zero (a zero-initialised router), ties at and across the k-th
-    value, a random row. The NaN and inf rows have an all-NaN softmax, as in torch."""
-    rows = torch.randn(11, E, generator=gen)
-    rows[0, E // 3] = NAN
-    rows[1] = NAN
-    rows[2] = -INF
-    rows[3, E - 1] = INF
-    rows[4, [1, E - 2]] = INF
-    rows[5] = -INF
-    rows[5, [0, 2, E - 1]] = torch.tensor([1.0, 3.0, 0.0])
-    rows[6] = torch.finfo(torch.float32).max
-    rows[7] = 0.0
-    rows[8] = 1.0
-    rows[8, [E - 2, 0]] = 2.0  # a tie above the rest: both picked, lowest first
-    rows[9] = torch.randint(0, 3, (E,), generator=gen).float()  # many ties, some across the k-th value
-    return rows
 
 
 @pytest.mark.parametrize("E", [8, 6, 60, 128])
