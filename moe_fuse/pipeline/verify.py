@@ -31,9 +31,10 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     if got.dim() == 0:
         got, want = got.reshape(1), want.reshape(1)
     rows = max(1, CHUNK // max(1, want[0].numel()))
-    diff = torch.zeros((), dtype=torch.float64, device=want.device)
-    norm = torch.zeros((), dtype=torch.float64, device=want.device)
-    bad = torch.zeros((), dtype=torch.bool, device=want.device)
+    dev = got.device  # ``want`` may wait in host memory (_park): each chunk of it comes to ``got``'s device
+    diff = torch.zeros((), dtype=torch.float64, device=dev)
+    norm = torch.zeros((), dtype=torch.float64, device=dev)
+    bad = torch.zeros((), dtype=torch.bool, device=dev)
     for g, w in zip(got.split(rows), want.split(rows)):
         g, w = g.double(), w.to(g.device, torch.float64)
         bad |= ~torch.isfinite(g).all()
