@@ -64,6 +64,9 @@ SETTINGS: dict[str, Setting] = {
                          option=True),
     "verify": Setting(True, "prove each match on random probes before rewriting it", _bool, "True or False",
                       option=True),
+    "verify_tokens": Setting(1024, "verification proves an experts block on at most this many tokens where every "
+                             "size-bearing literal of it is the token count (its memory then a fraction of the "
+                             "step's); 0: always at the real size", _rows, "an int >= 0", option=True),
     "causal_sdpa": Setting(True, "turn a constant plain-causal SDPA mask into is_causal=True", _bool,
                            "True or False", option=True),
     "causal_sdpa_flex": Setting(True, "the mask rewrite also takes a causal mask AND a key padding mask (a "
@@ -108,6 +111,7 @@ inner: str = "inductor"
 mode: str | None = None
 debug_dir: str | None = None
 verify: bool = True
+verify_tokens: int = 1024
 causal_sdpa: bool = True
 causal_sdpa_flex: bool = True
 causal_sdpa_grouped_heads: bool = True

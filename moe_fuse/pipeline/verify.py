@@ -3,7 +3,10 @@ on the same fresh random probes and compare outputs and gradients.
 
 Probes have the region's real shapes and dtypes; parameters are the real ones
 when the backend can see them (top-level graph inputs, or HOP-body inputs that
-lead to them), random otherwise. Any disagreement or error leaves the region
+lead to them), random otherwise. An experts region whose every size-bearing
+literal is its token count T or T*k is proven on ``config.verify_tokens`` tokens
+instead (the same kernel path forced), so that proving a 235B-sized layer takes
+a fraction of its step's memory. Any disagreement or error leaves the region
 untouched, with the reason recorded.
 """
 
@@ -12,7 +15,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
 
+from .. import config, dispatch
 from .candidate import Candidate
 from .graph import concrete, meta_value, region_graph_module
 
@@ -46,21 +52,89 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff.sqrt().item() / (denom if denom > 0 else 1.0)
 
 
-def _concrete_value(node):
+def _ints(value):
+    """The int literals in a node's args / kwargs (bools are not sizes)."""
+    found = []
+    map_aggregate(value, lambda v: found.append(v) if isinstance(v, int) and not isinstance(v, bool) else None)
+    return found
+
+
+def token_sizes(cand: Candidate) -> tuple[dict[int, int] | None, str | None]:
+    """({T: T', T*k: T'*k}, note) when the experts region can be proven on T' = ``config.verify_tokens`` of its T
+    tokens, else (None, why not, or None where there is nothing to shrink).
+
+    The region is re-run with every literal and size equal to T or T*k replaced. Where the hidden size H is one of
+    them (a 235B layer at T=4096), no literal tells which it stands for, and H scales with the tokens: the block
+    means the same at any H, and the probes' weights are then random ones of the smaller size. That is sound
+    only when no other size of the block takes those values and no other literal larger than T' (an ``S - 1``, a
+    slice end) could change its meaning at the smaller size; anything else is proven at the real size."""
+    limit = config.verify_tokens
+    shapes = {}
+    for node, kind in zip(cand.region.inputs, cand.input_kinds):
+        shapes.setdefault(kind, []).append(tuple(concrete(d) for d in meta_value(node).shape))
+    if not limit or "expert_ids" not in shapes or len(shapes.get("hidden", ())) != 1:
+        return None, None
+    (hidden,), (ids,) = shapes["hidden"], shapes["expert_ids"][:1]
+    if len(hidden) != 2 or len(ids) != 2 or ids[0] != hidden[0]:
+        return None, None
+    (T, H), k = hidden, ids[1]
+    if T <= limit:
+        return None, None
+    sizes = {T: limit, T * k: limit * k}
+    others = {k}
+    for kind, found in shapes.items():
+        for shape in found:
+            others.update(shape[1:] if kind in ("hidden", "expert_ids", "routing_weights") else shape)
+    for node in cand.region.free:
+        value = meta_value(node)
+        if isinstance(value, torch.Tensor):
+            others.update(concrete(d) for d in value.shape)
+    others -= set(sizes) & {H}  # H scales with the tokens
+    clash = sorted(v for v in {T, T * k, limit, limit * k} if v in others)
+    if clash:
+        return None, f"proven at the real size: the token count's sizes {clash} are also other sizes of the block"
+    literals = [(v, node.name) for node in cand.region.nodes for v in _ints((node.args, node.kwargs))]
+    literals += [(v, "the fused op's arguments") for v in _ints([a for a in cand.op_args if not isinstance(a, fx.Node)])]
+    for v, where in literals:
+        if v not in sizes and abs(v) > limit and v not in others:
+            return None, f"proven at the real size: literal {v} at {where} is not a size the block scales by"
+    note = f"proven on {limit} of its {T} tokens (verify_tokens)"
+    if H in sizes:
+        note += f", the hidden size {H} as {sizes[H]} with them"
+    return sizes, note
+
+
+def _resized(value, sizes: dict[int, int] | None):
+    if not sizes:
+        return value
+    return map_aggregate(value, lambda v: sizes.get(v, v) if isinstance(v, int) and not isinstance(v, bool) else v)
+
+
+def _concrete_value(node, sizes=None):
     value = meta_value(node)
     if isinstance(value, torch.Tensor):  # read only for its shape and dtype (zeros_like's argument)
-        return torch.zeros([concrete(s) for s in value.shape], dtype=value.dtype, device=value.device)
+        shape = _resized([concrete(s) for s in value.shape], sizes)
+        return torch.zeros(shape, dtype=value.dtype, device=value.device)
     if isinstance(value, (tuple, list)):
-        return type(value)(concrete(v) for v in value)
-    return concrete(value)
+        return _resized(type(value)(concrete(v) for v in value), sizes)
+    return _resized(concrete(value), sizes)
 
 
-def make_probes(cand: Candidate, resolve, generator: torch.Generator) -> list[torch.Tensor]:
+def _region_module(cand: Candidate, sizes: dict[int, int] | None) -> torch.fx.GraphModule:
+    module = region_graph_module(cand.region)
+    if sizes:
+        for node in module.graph.nodes:
+            node.args, node.kwargs = _resized(node.args, sizes), _resized(node.kwargs, sizes)
+        module.recompile()
+    return module
+
+
+def make_probes(cand: Candidate, resolve, generator: torch.Generator, sizes=None) -> list[torch.Tensor]:
     spec = cand.spec
     probes = []
     for node, kind in zip(cand.region.inputs, cand.input_kinds):
         fake = meta_value(node)
-        shape = tuple(concrete(s) for s in fake.shape)
+        shape = _resized(tuple(concrete(s) for s in fake.shape), sizes)
         dev, dtype = fake.device, fake.dtype
 
         def rand(*size, dtype=torch.float32):
@@ -70,7 +144,7 @@ def make_probes(cand: Candidate, resolve, generator: torch.Generator) -> list[to
             probe = torch.randn(shape, generator=generator).to(device=dev, dtype=dtype)
         elif kind == "param":
             real = resolve(node)
-            if real is not None:
+            if real is not None and tuple(real.shape) == shape:
                 probe = real.detach()  # read only: both sides get their own leaf over the same storage
             else:
                 probe = (torch.randn(shape, generator=generator) * shape[-1] ** -0.5).to(device=dev, dtype=dtype)
@@ -116,14 +190,32 @@ def _park(grad: torch.Tensor | None) -> torch.Tensor | None:
 def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
     """None when the fused op matches the region on the probes, else why not.
 
+    An experts region is proven on ``config.verify_tokens`` tokens where ``token_sizes`` allows it (a note on the
+    candidate says so), under the kernel path its real size takes; should that run raise, at the real size.
     The original region runs forward and backward first, then the fused op: one side's saved activations are
     alive at a time, and on a GPU the first side's gradients wait in host memory (at the real sizes of a 235B
     layer, the region's activations and weight gradients are several GB each)."""
+    sizes, note = token_sizes(cand)
+    if sizes:
+        rows = max(sizes)  # T * k routed rows: the real size's GEMM path, forced at the smaller one
+        forced = 0 if dispatch.ragged(rows) else sizes[rows] + 1
+        with config.patch(ragged_min_rows=forced):
+            reason = _verify(cand, resolve, seed, sizes)
+        if reason is None or not reason.startswith("verification raised"):
+            cand.notes.append(note)
+            return reason if reason is None else f"{reason} ({note})"
+        note = f"proven at the real size: on {min(sizes.values())} tokens {reason}"
+    if note:
+        cand.notes.append(note)
+    return _verify(cand, resolve, seed, None)
+
+
+def _verify(cand: Candidate, resolve, seed: int, sizes: dict[int, int] | None) -> str | None:
     generator = torch.Generator().manual_seed(seed)
     try:
-        original = region_graph_module(cand.region)
-        free = [_concrete_value(n) for n in cand.region.free]
-        probes = make_probes(cand, resolve, generator)
+        original = _region_module(cand, sizes)
+        free = [_concrete_value(n, sizes) for n in cand.region.free]
+        probes = make_probes(cand, resolve, generator, sizes)
         by_node = dict(zip(cand.region.inputs, probes))
         names = [n.name for n in cand.region.outputs]
         with torch.enable_grad():
@@ -140,7 +232,7 @@ def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
             del leaves_a
 
             leaves_b = [p.detach().requires_grad_(p.is_floating_point()) for p in probes]
-            args = [leaves_b[cand.region.inputs.index(a)] if a in by_node else a for a in cand.op_args]
+            args = [leaves_b[cand.region.inputs.index(a)] if a in by_node else _resized(a, sizes) for a in cand.op_args]
             result = cand.op(*args)
             got = [result if i is None else result[i] for i in cand.output_index]
             if cand.topk_outputs:

@@ -50,13 +50,13 @@ def forward_backward(x, ids, weights, w_gate_up, w_down, dy, **gate):
                                           **gate))
 
 
-def qwen3_block(T=4096, dtype=torch.bfloat16):
-    """transformers' Qwen3-MoE sparse block at 30B-A3B's size on the GPU, random weights (the router's too), and x,
-    dy [1, T, H] drawn after them."""
+def qwen3_block(T=4096, dtype=torch.bfloat16, hidden=H, intermediate=I):
+    """transformers' Qwen3-MoE sparse block at 30B-A3B's size (or ``hidden`` and ``intermediate``: 4096, 1536 for
+    235B-A22B) on the GPU, random weights (the router's too), and x, dy [1, T, hidden] drawn after them."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
+    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=intermediate, num_experts=E, num_experts_per_tok=K,
                          norm_topk_prob=True)
     cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(T)
@@ -65,7 +65,7 @@ def qwen3_block(T=4096, dtype=torch.bfloat16):
         with torch.no_grad():
             for p in block.parameters():
                 p.normal_(0.0, 0.02)
-        return block, torch.randn(1, T, H, dtype=dtype), torch.randn(1, T, H, dtype=dtype)
+        return block, torch.randn(1, T, hidden, dtype=dtype), torch.randn(1, T, hidden, dtype=dtype)
 
 
 @contextlib.contextmanager

@@ -48,3 +48,31 @@ def test_split_backward_lowers_the_peak():
     _, split = held_and_backward_peak({})
     _, one_op = held_and_backward_peak({"split_backward": False})
     assert one_op - split >= 0.5 * S * 3 * I * BF16, (one_op, split)  # h [S, 2I] and aw [S, I]
+
+
+def first_step_peak(backend, tokens, hidden, intermediate):
+    """The allocator's peak over compiling and the first forward + backward (from before torch.compile), and the
+    patterns rewritten."""
+    from moe_fuse.debug import collect_reports
+
+    block, x, dy = qwen3_block(tokens, hidden=hidden, intermediate=intermediate)
+    x.requires_grad_()
+    torch._dynamo.reset()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    with collect_reports() as reports:
+        torch.compile(block, backend=backend)(x).backward(dy)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start, sorted(m["pattern"] for r in reports for m in r.matches)
+
+
+@pytest.mark.parametrize("tokens, hidden, intermediate", [(4096, H, I), (16384, H, I), (4096, 4096, 1536)])
+def test_the_first_step_needs_about_inductors_memory(tokens, hidden, intermediate):
+    # Verification proves the experts block on config.verify_tokens tokens (235B-A22B's at T=4096: T == H, the
+    # hidden size scaled with them): compiling costs no more than the step itself.
+    needs_sm90()
+    inductor, _ = first_step_peak("inductor", tokens, hidden, intermediate)
+    fused, patterns = first_step_peak("moe_fuse", tokens, hidden, intermediate)
+    assert patterns == ["grouped_mm_experts", "softmax_topk_router"]
+    assert fused <= 1.1 * inductor, (fused / 2**20, inductor / 2**20)

@@ -1,6 +1,7 @@
 """Verification: a graph that looks like MoE but computes something else is left alone."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -46,12 +47,14 @@ class HandWrittenMoE(torch.nn.Module):
         return y[inverse].view(T, K, H).sum(dim=1), logits
 
 
-def run(variant, tmp_path, verify=True):
+def run(variant, tmp_path, verify=True, tokens=10, verify_tokens=None):
     torch._dynamo.reset()
     module = HandWrittenMoE(variant)
-    x = torch.randn(10, H, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(3))
     want = module(x)
     options = {"moe_fuse.inner": "eager", "moe_fuse.debug_dir": str(tmp_path), "moe_fuse.verify": verify}
+    if verify_tokens is not None:
+        options["moe_fuse.verify_tokens"] = verify_tokens
     got = torch.compile(module, backend="moe_fuse", options=options)(x)
     (report_file,) = tmp_path.glob("graph_*/report.json")
     return want, got, json.loads(report_file.read_text())
@@ -118,6 +121,74 @@ def test_without_verification_a_disagreeing_op_would_be_fused(monkeypatch, tmp_p
     assert sorted(m["pattern"] for m in report["matches"]) == ["grouped_mm_experts", "softmax_topk_router"]
     assert all(m["verified"] is False for m in report["matches"])
     assert not torch.allclose(got[0], want[0])
+
+
+def _experts(report):
+    (match,) = [m for m in report["matches"] if m["pattern"] == "grouped_mm_experts"]
+    return match
+
+
+def test_a_long_block_is_proven_on_fewer_tokens(tmp_path):
+    want, got, report = run("exact", tmp_path, tokens=300, verify_tokens=64)
+    assert _experts(report)["notes"] == ["proven on 64 of its 300 tokens (verify_tokens)"]
+    torch.testing.assert_close(got, want)
+
+
+def test_a_disagreeing_op_is_rejected_on_fewer_tokens(monkeypatch, tmp_path):
+    _disagreeing_op(monkeypatch)
+    want, got, report = run("exact", tmp_path, tokens=300, verify_tokens=64)
+    (rejection,) = report["rejected"]
+    assert "differs: relative error" in rejection["reason"]
+    assert rejection["reason"].endswith("(proven on 64 of its 300 tokens (verify_tokens))")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_a_hidden_size_equal_to_the_token_count_scales_with_them(monkeypatch, tmp_path):
+    # T == H (a 235B layer at T=4096): no literal says which of the two it is, and the block means the same at any H.
+    monkeypatch.setattr(sys.modules[__name__], "I", 24)  # 2I != H
+    want, got, report = run("exact", tmp_path, tokens=H, verify_tokens=8)
+    assert _experts(report)["notes"] == [f"proven on 8 of its {H} tokens (verify_tokens), the hidden size {H} as 8 "
+                                         "with them"]
+    torch.testing.assert_close(got, want)
+
+
+def test_a_smaller_run_that_raises_is_proven_at_the_real_size(tmp_path):
+    # T == H == 2I: scaling every 32 makes the gate / up halves disagree with the down projection, which raises.
+    assert 2 * I == H
+    want, got, report = run("exact", tmp_path, tokens=H, verify_tokens=5)
+    (note,) = _experts(report)["notes"]
+    assert note.startswith("proven at the real size: on 5 tokens verification raised"), note
+    torch.testing.assert_close(got, want)
+
+
+def test_a_token_count_that_is_another_size_is_proven_at_the_real_size(tmp_path):
+    want, got, report = run("exact", tmp_path, tokens=I, verify_tokens=5)  # T == I: which literal is which?
+    assert _experts(report)["notes"] == [
+        f"proven at the real size: the token count's sizes [{I}] are also other sizes of the block"]
+    torch.testing.assert_close(got, want)
+
+
+def test_a_literal_the_block_does_not_scale_by_keeps_the_real_size(monkeypatch):
+    # An S - 1 (or any literal above the smaller size that is not a size of the block) could mean something else
+    # at the smaller size: such a block is proven at its real size.
+    from moe_fuse import config
+    from moe_fuse.patterns import experts_grouped_mm
+    from moe_fuse.pipeline.verify import token_sizes
+
+    seen, match = [], experts_grouped_mm.match
+    monkeypatch.setattr(experts_grouped_mm, "match", lambda node: seen.append(match(node)) or seen[-1])
+    torch._dynamo.reset()
+    torch.compile(HandWrittenMoE(), backend="moe_fuse", options={"moe_fuse.inner": "eager"})(torch.randn(300, H))
+    (cand,) = [c for c in seen if c is not None]
+    with config.patch(verify_tokens=64):
+        assert token_sizes(cand) == ({300: 64, 600: 128}, "proven on 64 of its 300 tokens (verify_tokens)")
+        (arange,) = [n for n in cand.region.nodes if n.target is torch.arange]
+        arange.args = (599,)
+        assert token_sizes(cand) == (None, "proven at the real size: literal 599 at arange is not a size the block "
+                                           "scales by")
+    with config.patch(verify_tokens=0):
+        assert token_sizes(cand) == (None, None)
 
 
 class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
