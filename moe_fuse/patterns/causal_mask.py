@@ -212,6 +212,18 @@ def _rewrite_flex(node: fx.Node, q: torch.Tensor, k: torch.Tensor, fn, operand) 
     return info
 
 
+def _documents_in_body(mask: fx.Node):
+    """Document ids of a proved packed-sequence mask that a HOP body reads whole (it was built outside): a
+    document starts at query q where q cannot see key q - 1, so the count of starts up to each position,
+    ``pad(cumsum(~mask[:, 0].diagonal(-1)), (1, 0))``, is equal at two positions exactly where the documents are."""
+    def operand(graph):
+        call = graph.call_function
+        below = call(torch.diagonal, (mask,), {"offset": -1, "dim1": -2, "dim2": -1})  # [B, 1, L - 1]
+        starts = call(torch.logical_not, (call(operator.getitem, (below, (slice(None), 0))),))
+        return call(torch.nn.functional.pad, (call(torch.cumsum, (starts, -1)), (1, 0)))
+    return operand
+
+
 def _last_row(mask: fx.Node):
     """The key padding of a proved causal AND padding mask: its last query row."""
     return lambda graph: graph.call_function(operator.getitem, (mask, (slice(None), 0, -1, slice(None))))
@@ -325,9 +337,15 @@ def _flex(node, mask, q, k, outer) -> tuple[str | None, dict | str]:
     why_padded = _why_not_padded(mask, q, k, outer)
     if why_padded is None:
         return PADDED, _rewrite_flex(node, q, k, attention.causal_padded_attention, _last_row(mask))
-    documents, why_packed = _packed_documents(mask, q, k) if q.shape[-2] == k.shape[-2] else (None, "")
+    source = outer.get(mask, mask) if mask.op == "placeholder" else mask  # checkpointing builds it outside
+    documents, why_packed = _packed_documents(source, q, k) if q.shape[-2] == k.shape[-2] else (None, "")
+    value = meta_value(mask)
+    if documents is not None and source is not mask and (
+            not _is_bool(mask) or value.dim() != 4 or value.shape[1] != 1 or value.shape[-1] != value.shape[-2]):
+        documents, why_packed = None, f"the mask {tuple(value.shape)} read in the body is not bool [B, 1, L, L]"
     if documents is not None:
-        return PACKED, _rewrite_flex(node, q, k, attention.causal_document_attention, lambda graph: documents)
+        operand = (lambda graph: documents) if source is mask else _documents_in_body(mask)
+        return PACKED, _rewrite_flex(node, q, k, attention.causal_document_attention, operand)
     return None, f"as causal AND key padding: {why_padded}" + (f"; as packed sequences: {why_packed}"
                                                                if why_packed else "")
 

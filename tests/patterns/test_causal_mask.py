@@ -378,3 +378,24 @@ def test_padded_mask_inside_checkpointed_layers(tmp_path, monkeypatch):
     assert sdpa_calls(tmp_path) == []
     rewrites = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_padded_sdpa_mask"]
     assert len(rewrites) == 2 and all("wrap_body" in m["where"] and m["gqa_group"] == 2 for m in rewrites)
+
+
+def test_packed_sequences_inside_checkpointed_layers(tmp_path, monkeypatch):
+    """Packed sequences under activation checkpointing: the document ids are built outside each layer's body and
+    followed out of it; every layer's attention becomes one document-masked call, with eager's loss, logits and
+    gradients."""
+    monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
+    model = qwen3_moe(attn_implementation="sdpa", output_router_logits=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = token_batch()
+    position_ids = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]),
+                                torch.cat([torch.arange(3), torch.arange(3), torch.arange(6)])])
+    eager = loss_and_grads(model, ids, use_cache=False, position_ids=position_ids)
+    loss, logits, _, grads = compile_and_run(model, ids, tmp_path, use_cache=False, position_ids=position_ids)
+    assert rel_err(loss, eager[0]) < 1e-5 and rel_err(logits, eager[1]) < 1e-5
+    for name in eager[3]:
+        assert rel_err(grads[name], eager[3][name]) < 1e-4, name
+    assert sdpa_calls(tmp_path) == []
+    rewrites = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_packed_sdpa_mask"]
+    assert len(rewrites) == 2 and all("wrap_body" in m["where"] for m in rewrites), rewrites
