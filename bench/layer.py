@@ -35,7 +35,7 @@ SHAPES = {  # name: hidden H, moe_intermediate I, experts E, top-k
 }
 BASES = ["eager", "inductor", "inductor_graphs", "moe_fuse"]  # inductor_graphs: mode="reduce-overhead"
 PEER = "inductor"
-MODES = ["fwd", "fwd+bwd"]
+MODES = ["fwd", "fwd-train", "fwd+bwd"]  # fwd: under no_grad (inference); fwd-train: autograd records
 TOL = 2e-2
 
 
@@ -90,10 +90,11 @@ def run_case(shape, T, dev, dtype, args, rows):
     x = rand()
     xg = x.clone().requires_grad_()
     leaves = [xg] + params
-    case_rows = []
+    case_rows, rewritten = [], {}
     for v in args.variants:
         fn = compiled(v, block, args.cpu_smoke)
-        steps = {"fwd": lambda fn=fn: fn(x), "fwd+bwd": lambda fn=fn: (fn(xg) * g).sum().backward()}
+        steps = {"fwd": lambda fn=fn: fn(x), "fwd-train": lambda fn=fn: fn(xg),
+                 "fwd+bwd": lambda fn=fn: (fn(xg) * g).sum().backward()}
         for mode in args.modes:
             row = dict(shape=shape, T=T, mode=mode, variant=v.name, settings=v.settings, status="ok",
                        flops=6 * T * k * H * I * (3 if mode == "fwd+bwd" else 1))
@@ -110,6 +111,10 @@ def run_case(shape, T, dev, dtype, args, rows):
                             out = fn(x_chk)
                         common.sync(dev)
                         row["err"] = common.rel_err(out, ref_y)
+                    elif mode == "fwd-train":
+                        out = fn(x_chk.clone().requires_grad_())
+                        common.sync(dev)
+                        row["err"] = common.rel_err(out, ref_y)
                     else:
                         xc = x_chk.clone().requires_grad_()
                         out = fn(xc)
@@ -123,8 +128,9 @@ def run_case(shape, T, dev, dtype, args, rows):
                 if dev.type == "cuda":
                     row["first_call_mb"] = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
                 del out
-                if v.base == "moe_fuse":
-                    row["rewrites"] = common.rewrites(reports)
+                if v.base == "moe_fuse":  # fwd-train and fwd+bwd share the graph compiled with grad on
+                    row["rewrites"] = common.rewrites(reports) or rewritten.get((v.name, mode != "fwd"), [])
+                    rewritten[v.name, mode != "fwd"] = row["rewrites"]
                 bad = [e for e in (row["err"], row.get("grad_err")) if e is not None and not e <= TOL]
                 row["status"] = "FAIL" if bad else "ok"
                 step = steps[mode]

@@ -5,11 +5,12 @@ import statistics
 import pytest
 
 VARIANTS = ["eager", "inductor", "moe_fuse", "moe_fuse:ragged_min_rows=0"]
+MODES = ["fwd", "fwd-train", "fwd+bwd"]
 
 
 @pytest.fixture(scope="module")
 def run(run_bench):
-    return run_bench("layer.py", "--variants", ",".join(VARIANTS), "--rounds", "2")
+    return run_bench("layer.py", "--variants", ",".join(VARIANTS), "--rounds", "2", "--modes", ",".join(MODES))
 
 
 def test_rows(run, check_provenance):
@@ -17,7 +18,7 @@ def test_rows(run, check_provenance):
     check_provenance(data["meta"], "layer.py")
     assert data["peak"]["tflops"] > 0
     rows = {(r["variant"], r["mode"]): r for r in data["rows"]}
-    assert set(rows) == {(v, m) for v in VARIANTS for m in ("fwd", "fwd+bwd")}
+    assert set(rows) == {(v, m) for v in VARIANTS for m in MODES}
     for (variant, mode), r in rows.items():
         assert r["status"] == "ok", r
         assert len(r["rounds_ms"]) == 2 and r["ms"] == statistics.median(r["rounds_ms"]) > 0
