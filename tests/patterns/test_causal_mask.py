@@ -361,41 +361,27 @@ def test_packed_mask_deviations_stay(tmp_path, monkeypatch, variant, reason):
         assert rejected.endswith("as packed sequences: " + reason), rejected
 
 
-def test_padded_mask_inside_checkpointed_layers(tmp_path, monkeypatch):
-    """Under activation checkpointing the padded mask is built outside each layer's body: its factors are followed
-    out of the body and proved there, and the body reads the mask's last query row."""
+@pytest.mark.parametrize("inputs", ["padded", "packed"])
+def test_masks_inside_checkpointed_layers(tmp_path, monkeypatch, inputs):
+    """Under activation checkpointing the mask is built outside each layer's body: it is followed out of the body
+    and proved there. The body reads the padding from the mask's last query row, or the document ids from the
+    positions that cannot see the one before (packed sequences)."""
     monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
     model = qwen3_moe(attn_implementation="sdpa", output_router_logits=False)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids = token_batch()
-    attention_mask = padding_mask(ids, "right")
-    eager = loss_and_grads(model, ids, use_cache=False, attention_mask=attention_mask)
-    loss, logits, _, grads = compile_and_run(model, ids, tmp_path, use_cache=False, attention_mask=attention_mask)
+    if inputs == "padded":
+        kwargs, pattern = {"attention_mask": padding_mask(ids, "right")}, "causal_padded_sdpa_mask"
+    else:  # row 0: sequences of 5 and 7 tokens; row 1: 3, 3 and 6
+        kwargs = {"position_ids": torch.stack([torch.cat([torch.arange(5), torch.arange(7)]),
+                                               torch.cat([torch.arange(3), torch.arange(3), torch.arange(6)])])}
+        pattern = "causal_packed_sdpa_mask"
+    eager = loss_and_grads(model, ids, use_cache=False, **kwargs)
+    loss, logits, _, grads = compile_and_run(model, ids, tmp_path, use_cache=False, **kwargs)
     assert rel_err(loss, eager[0]) < 1e-5 and rel_err(logits, eager[1]) < 1e-5
     for name in eager[3]:
         assert rel_err(grads[name], eager[3][name]) < 1e-4, name
     assert sdpa_calls(tmp_path) == []
-    rewrites = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_padded_sdpa_mask"]
-    assert len(rewrites) == 2 and all("wrap_body" in m["where"] and m["gqa_group"] == 2 for m in rewrites)
-
-
-def test_packed_sequences_inside_checkpointed_layers(tmp_path, monkeypatch):
-    """Packed sequences under activation checkpointing: the document ids are built outside each layer's body and
-    followed out of it; every layer's attention becomes one document-masked call, with eager's loss, logits and
-    gradients."""
-    monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
-    model = qwen3_moe(attn_implementation="sdpa", output_router_logits=False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    ids = token_batch()
-    position_ids = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]),
-                                torch.cat([torch.arange(3), torch.arange(3), torch.arange(6)])])
-    eager = loss_and_grads(model, ids, use_cache=False, position_ids=position_ids)
-    loss, logits, _, grads = compile_and_run(model, ids, tmp_path, use_cache=False, position_ids=position_ids)
-    assert rel_err(loss, eager[0]) < 1e-5 and rel_err(logits, eager[1]) < 1e-5
-    for name in eager[3]:
-        assert rel_err(grads[name], eager[3][name]) < 1e-4, name
-    assert sdpa_calls(tmp_path) == []
-    rewrites = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_packed_sdpa_mask"]
-    assert len(rewrites) == 2 and all("wrap_body" in m["where"] for m in rewrites), rewrites
+    rewrites = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == pattern]
+    assert len(rewrites) == 2 and all("wrap_body" in m["where"] and m["gqa_group"] == 2 for m in rewrites), rewrites
