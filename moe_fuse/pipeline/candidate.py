@@ -8,7 +8,7 @@ from typing import Callable
 import torch.fx as fx
 
 from ..spec import ExpertsSpec, RouterSpec
-from .graph import Region
+from .graph import Region, meta_value
 
 
 @dataclass
@@ -40,6 +40,15 @@ class Candidate:
     # Where op_args holds the op's save_h flag (keep h for the backward), for ops that have one. Inside an
     # activation-checkpointed body the pipeline sets it to False: the backward recomputes the block anyway.
     save_h_at: int | None = None
+
+    def differentiated(self) -> bool:
+        """Whether a gradient can flow through the region: grad mode on while the graph compiles and an input that
+        requires one. An inference graph (compiled under no_grad, or over inputs none of which requires a gradient)
+        never runs the op's backward: Dynamo guards both."""
+        import torch
+
+        return torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False)
+                                               for n in self.region.inputs)
 
     def recompute_h(self) -> None:
         """Keep no h for the backward (the call's save_h False), where the op has the choice."""

@@ -103,8 +103,7 @@ def _host_bound(cand: Candidate) -> str | None:
     if not hidden:
         return None
     x = hidden[0]
-    grad = torch.is_grad_enabled() and any(getattr(v, "requires_grad", False) for v in values)
-    return host_bound_step(x.numel() // x.shape[-1] if x.dim() else 1, x.device, grad)
+    return host_bound_step(x.numel() // x.shape[-1] if x.dim() else 1, x.device, cand.differentiated())
 
 
 def match_and_rewrite(module: fx.GraphModule, patterns, where: str, values: RealValues, report,

@@ -190,6 +190,8 @@ def _park(grad: torch.Tensor | None) -> torch.Tensor | None:
 def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
     """None when the fused op matches the region on the probes, else why not.
 
+    In an inference graph (``Candidate.differentiated`` False) the outputs alone are compared: no gradient
+    is computed, and the op runs the forward that keeps nothing, as it will there.
     An experts region is proven on ``config.verify_tokens`` tokens where ``token_sizes`` allows it (a note on the
     candidate says so), under the kernel path its real size takes; should that run raise, at the real size.
     The original region runs forward and backward first, then the fused op: one side's saved activations are
@@ -212,6 +214,7 @@ def verify(cand: Candidate, resolve, seed: int = 0) -> str | None:
 
 def _verify(cand: Candidate, resolve, seed: int, sizes: dict[int, int] | None) -> str | None:
     generator = torch.Generator().manual_seed(seed)
+    grads = cand.differentiated()  # else the outputs alone: the op's backward never runs in this graph
     try:
         original = _region_module(cand, sizes)
         free = [_concrete_value(n, sizes) for n in cand.region.free]
@@ -221,7 +224,7 @@ def _verify(cand: Candidate, resolve, seed: int, sizes: dict[int, int] | None) -
         with torch.enable_grad():
             # The region never writes into its inputs (collect_region refuses that), so the
             # two sides can share the probes' storage: no copies of large expert weights.
-            leaves_a = [p.detach().requires_grad_(p.is_floating_point()) for p in probes]
+            leaves_a = [p.detach().requires_grad_(grads and p.is_floating_point()) for p in probes]
             want = list(original(*leaves_a, *free))
             if cand.topk_outputs:
                 wi, ii = cand.topk_outputs
@@ -231,7 +234,7 @@ def _verify(cand: Candidate, resolve, seed: int, sizes: dict[int, int] | None) -
             want = [w.detach() for w in want]
             del leaves_a
 
-            leaves_b = [p.detach().requires_grad_(p.is_floating_point()) for p in probes]
+            leaves_b = [p.detach().requires_grad_(grads and p.is_floating_point()) for p in probes]
             args = [leaves_b[cand.region.inputs.index(a)] if a in by_node else _resized(a, sizes) for a in cand.op_args]
             result = cand.op(*args)
             got = [result if i is None else result[i] for i in cand.output_index]

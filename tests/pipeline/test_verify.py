@@ -114,6 +114,47 @@ def test_a_fused_op_that_disagrees_is_rejected_and_results_unchanged(monkeypatch
         torch.testing.assert_close(g, w)
 
 
+class _WrongGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy * 1.01
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_an_inference_graph_is_proven_on_its_outputs_alone(monkeypatch, grad):
+    # An op whose forward is right and whose backward is 1% off: rejected where a gradient flows through the block,
+    # fused in a graph compiled under no_grad, whose backward never runs (verification computes no gradient there).
+    from moe_fuse.debug import collect_reports
+    from moe_fuse.patterns import experts_grouped_mm
+
+    match = experts_grouped_mm.match
+
+    def match_with_a_wrong_backward(node):
+        cand = match(node)
+        op = cand.op
+        cand.op, cand.output_index = (lambda *args: _WrongGradient.apply(op(*args)[0])), [None]
+        return cand
+
+    monkeypatch.setattr(experts_grouped_mm, "match", match_with_a_wrong_backward)
+    module, x = HandWrittenMoE(), torch.randn(10, H, generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad), collect_reports() as reports:
+        got = torch.compile(module, backend="moe_fuse", options={"moe_fuse.inner": "eager"})(x)
+    fused = sorted(m["pattern"] for r in reports for m in r.matches)
+    if grad:
+        assert fused == ["softmax_topk_router"]
+        (rejection,) = [r for rep in reports for r in rep.rejected]
+        assert rejection["reason"].startswith("gradient of ") and "differs" in rejection["reason"], rejection
+    else:
+        assert fused == ["grouped_mm_experts", "softmax_topk_router"]
+    for g, w in zip(got, module(x)):
+        torch.testing.assert_close(g, w)
+
+
 def test_without_verification_a_disagreeing_op_would_be_fused(monkeypatch, tmp_path):
     # Why verification is on by default: the walk proves the block is the pattern, not that the op computes it.
     _disagreeing_op(monkeypatch)
