@@ -208,6 +208,20 @@ def peak_mem_mb(fn: Callable, dev: torch.device, grad_to_none=()) -> float | Non
     return (torch.cuda.max_memory_allocated(dev) - base) / 2**20
 
 
+def held_mb(fn: Callable, dev: torch.device) -> float | None:
+    """Device memory that stays allocated while ``fn()``'s result is alive (a training forward: its output and what
+    it saves for the backward), over what was allocated before (CUDA only)."""
+    if dev.type != "cuda":
+        return None
+    sync(dev)
+    base = torch.cuda.memory_allocated(dev)
+    out = fn()
+    sync(dev)
+    held = torch.cuda.memory_allocated(dev) - base
+    del out
+    return held / 2**20
+
+
 def matmul_peak(dev: torch.device, dtype: torch.dtype) -> dict:
     """The dense matmul rate measured here (8192^3 on a GPU, 512^3 on the CPU): the 100% of "% of peak"."""
     n = 8192 if dev.type == "cuda" else 512

@@ -160,6 +160,8 @@ def run_case(shape, T, dev, dtype, args, rows):
         fn, v, grads = step
         with config.patch(v.settings):
             row["mem_mb"] = common.peak_mem_mb(fn, dev, grads)
+            if row["mode"] == "fwd-train":
+                row["held_mb"] = common.held_mb(fn, dev)
             if dev.type == "cuda" and row["mode"] == "fwd+bwd":
                 row["host_ms"] = common.host_ms(fn, dev, grads)
                 if args.memory_trace:
@@ -195,19 +197,22 @@ def markdown(rows, peak, meta, rounds):
              f"ms: median of {rounds} round(s) of timing, the rows in turn. TFLOP/s count 6 T k H I forward, 3x that "
              f"forward + backward (the router not counted); % of the {peak['n']}^3 matmul measured in the same run "
              f"({peak['tflops']:.1f} TFLOP/s). x inductor = Inductor's ms / this ms. err / grad err: relative to "
-             f"eager (the output; the worst gradient of x and every parameter). mem: peak MB one call allocates; first "
-             f"call: the peak MB of the first call, compiling included.", ""]
+             f"eager (the output; the worst gradient of x and every parameter). mem: peak MB one call allocates; held: "
+             f"what the training forward (fwd-train) holds until its backward, output included; first call: the peak "
+             f"MB of the first call, compiling included.", ""]
     table = []
     for r in rows:
         if r["status"] == "error":
-            table.append([r["shape"], r["T"], r["mode"], r["variant"], "error", r["error"][:120]] + [None] * 9)
+            table.append([r["shape"], r["T"], r["mode"], r["variant"], "error", r["error"][:120]] + [None] * 10)
             continue
         table.append([r["shape"], r["T"], r["mode"], r["variant"], r["status"], f(r.get("ms"), ".3f"),
                       f(r.get("tflops"), ".1f"), f(r.get("pct_peak"), ".1f"), f(r.get("x_inductor"), ".2f"),
-                      f(r.get("mem_mb"), ".0f"), f(r.get("first_call_mb"), ".0f"), f(r.get("host_ms"), ".3f"),
+                      f(r.get("mem_mb"), ".0f"), f(r.get("held_mb"), ".0f"), f(r.get("first_call_mb"), ".0f"),
+                      f(r.get("host_ms"), ".3f"),
                       f(r.get("compile_s"), ".1f"), f(r.get("err"), ".1e"), f(r.get("grad_err"), ".1e")])
     lines.append(common.md_table(["shape", "T", "mode", "variant", "status", "ms", "TFLOP/s", "% peak",
-                                  "x inductor", "mem MB", "first call MB", "host ms", "compile s", "err", "grad err"],
+                                  "x inductor", "mem MB", "held MB", "first call MB", "host ms", "compile s", "err",
+                                  "grad err"],
                                  table))
     by_round = [r for r in rows if r.get("x_inductor_rounds") and r["variant"] != PEER]
     if by_round:
