@@ -36,6 +36,10 @@ def _causal_and_valid(b, h, q, kv, key_valid):
     return (kv <= q) & key_valid[b, kv]
 
 
+def _causal_valid_past_prefix(b, h, q, kv, key_valid, prefix):
+    return (kv <= q) & key_valid[b, kv] & (q >= prefix[b])
+
+
 def _causal_in_document(b, h, q, kv, document):
     return (kv <= q) & (document[b, q] == document[b, kv])
 
@@ -48,10 +52,12 @@ def _listed(tiles):
     return count, order
 
 
-def block_mask(key_valid: torch.Tensor | None, length: int, document: torch.Tensor | None = None):
+def block_mask(key_valid: torch.Tensor | None, length: int, document: torch.Tensor | None = None,
+               prefix: torch.Tensor | None = None):
     """The block mask of ``causal AND key_valid[b, kv]`` (``document`` None), or of ``causal AND document[b, q] ==
     document[b, kv]`` (``key_valid`` None; ``document`` [B, length], non-decreasing along each row: packed
-    sequences), for ``length`` queries and keys, per batch row (the mask does not depend on the head)."""
+    sequences), for ``length`` queries and keys, per batch row (the mask does not depend on the head). With
+    ``prefix`` [B] (padding only), the queries before ``prefix[b]`` see nothing: ``AND q >= prefix[b]``."""
     from torch.nn.attention.flex_attention import BlockMask
 
     ref = key_valid if key_valid is not None else document
@@ -66,8 +72,14 @@ def block_mask(key_valid: torch.Tensor | None, length: int, document: torch.Tens
         valid = torch.nn.functional.pad(key_valid, (0, pad), value=False)
         per_block = valid.reshape(batch, blocks, BLOCK).sum(-1)[:, None, :]  # valid keys in each key tile
         full = below & (per_block == BLOCK)
-        partial = reached & (per_block > 0) & ~full
+        partial = reached & (per_block > 0)
         mask_mod = _causal_and_valid
+        if prefix is not None:  # the query tiles with some / every query at or past the prefix
+            first = qb[None] * BLOCK
+            full = full & (first >= prefix[:, None, None])
+            partial = partial & ((first + BLOCK - 1).clamp(max=length - 1) >= prefix[:, None, None])
+            mask_mod = _causal_valid_past_prefix
+        partial = partial & ~full
     else:  # rows past the length: a document of their own, after the last
         doc = torch.cat([document, (document[:, -1:] + 1).expand(batch, pad)], dim=1).reshape(batch, blocks, BLOCK)
         first, last = doc[..., 0], doc[..., -1]  # a tile's documents: first..last (the ids never decrease)
@@ -123,3 +135,24 @@ def causal_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = flex_attention(q, k, v, _keep_score, mask.as_tuple(), scale, _kernel_options(q, k, v), (), (padded,))
     return out[0]
 
+
+def causal_prefix_padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
+                                   scale: float) -> torch.Tensor:
+    """``causal_padded_attention`` in two kernels: a query before the first padded key of its row (a tokenizer's
+    all-ones mask: every query; right padding: every real token) sees exactly the causal keys, so those rows come
+    from SDPA with ``is_causal=True`` (flash attention on a GPU), and FlexAttention computes only the rows past
+    that prefix, the rest of its tiles skipped; a ``where`` keeps each row from its kernel. The prefix is counted
+    on the device: no host sync. Under left padding the prefix is empty and the SDPA call is wasted."""
+    from torch._higher_order_ops.flex_attention import flex_attention
+
+    length = q.shape[-2]
+    key_valid = key_valid.expand(q.shape[0], length)
+    prefix = key_valid.to(torch.int32).cumprod(-1).sum(-1, dtype=torch.int32)  # [B] keys valid from the first
+    causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                              enable_gqa=q.shape[1] != k.shape[1])
+    mask = block_mask(key_valid, length, prefix=prefix)
+    padded = torch.nn.functional.pad(key_valid, (0, -length % BLOCK), value=False)
+    rest = flex_attention(q, k, v, _keep_score, mask.as_tuple(), scale, _kernel_options(q, k, v), (),
+                          (padded, prefix))[0]
+    in_prefix = torch.arange(length, device=q.device) < prefix[:, None]  # [B, L]
+    return torch.where(in_prefix[:, None, :, None], causal, rest)

@@ -144,6 +144,14 @@ def host_bound_step(tokens, device: torch.device, grad: bool) -> str | None:
             "CUDA graphs)")
 
 
+def padded_attention():
+    """The function the padded-mask rewrite calls: FlexAttention alone, or with ``config.flash_prefix`` flash
+    attention for the rows before each row's first padded key and FlexAttention for the rest."""
+    from . import attention
+
+    return attention.causal_prefix_padded_attention if config.flash_prefix else attention.causal_padded_attention
+
+
 def padded_attention_applies(q: torch.Tensor, k: torch.Tensor) -> str | None:
     """The attention-mask rewrites of a causal mask with key padding or of packed sequences: None where
     ``attention``'s FlexAttention functions compile into fused kernels, forward and backward, for these inputs;

@@ -199,7 +199,9 @@ def _rewrite_flex(node: fx.Node, q: torch.Tensor, k: torch.Tensor, fn, operand) 
         return f"the scale {scale!r} is not a number"
     graph = node.graph
     key, value = node.args[1], node.args[2]
-    info = {"query_length": q.shape[-2], "kernel": "flex_attention"}
+    info = {"query_length": q.shape[-2],
+            "kernel": "sdpa_causal_prefix+flex_attention" if fn is attention.causal_prefix_padded_attention
+            else "flex_attention"}
     if config.causal_sdpa_grouped_heads and "enable_gqa" not in node.kwargs and key is not value:
         src = [_repeat_kv_source(key), _repeat_kv_source(value)]
         if None not in src and src[0][1] == src[1][1]:
@@ -336,7 +338,7 @@ def _flex(node, mask, q, k, outer) -> tuple[str | None, dict | str]:
     sequences; else (None, why not)."""
     why_padded = _why_not_padded(mask, q, k, outer)
     if why_padded is None:
-        return PADDED, _rewrite_flex(node, q, k, attention.causal_padded_attention, _last_row(mask))
+        return PADDED, _rewrite_flex(node, q, k, dispatch.padded_attention(), _last_row(mask))
     source = outer.get(mask, mask) if mask.op == "placeholder" else mask  # checkpointing builds it outside
     documents, why_packed = _packed_documents(source, q, k) if q.shape[-2] == k.shape[-2] else (None, "")
     value = meta_value(mask)

@@ -7,6 +7,7 @@ import torch
 
 from gpu_cases import rel_err
 
+from moe_fuse import config
 from moe_fuse.debug import collect_reports
 
 pytestmark = pytest.mark.gpu
@@ -37,8 +38,9 @@ def padding(kind, batch, n):
     return mask
 
 
+@pytest.mark.parametrize("flash_prefix", [False, True])
 @pytest.mark.parametrize("kind", ["ones", "right", "left"])
-def test_padded_causal_attention_against_float64(kind):
+def test_padded_causal_attention_against_float64(kind, flash_prefix):
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, h, kvh, n, d = 2, 8, 2, 1000, 128  # n not a multiple of the 128-row tiles
     q, k, v, dy = (torch.randn(b, heads, n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -49,10 +51,10 @@ def test_padded_causal_attention_against_float64(kind):
     want_grads = torch.autograd.grad(want, f64, dy.double())
     torch._dynamo.reset()
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-    with collect_reports() as reports:
+    with collect_reports() as reports, config.patch(flash_prefix=flash_prefix):
         got = torch.compile(MaskedAttention(), backend="moe_fuse")(*inputs, attention_mask)
+        got_grads = torch.autograd.grad(got, inputs, dy)
     assert [m["pattern"] for r in reports for m in r.matches] == ["causal_padded_sdpa_mask"]
-    got_grads = torch.autograd.grad(got, inputs, dy)
     assert rel_err(got, want) < 1e-2, rel_err(got, want)
     for name, g, w in zip("qkv", got_grads, want_grads):
         assert bool(torch.isfinite(g).all()) and rel_err(g, w) < 2e-2, (name, rel_err(g, w))

@@ -73,14 +73,40 @@ def against_masked_sdpa(fn, operand, mask, seed):
     return got, got_grads
 
 
+@pytest.mark.parametrize("fn", [attention.causal_padded_attention, attention.causal_prefix_padded_attention])
 @pytest.mark.parametrize("kind", ["ones", "right", "left", "random"])
-def test_causal_padded_attention_is_masked_sdpa(kind):
+def test_causal_padded_attention_is_masked_sdpa(kind, fn):
     n = 300
     valid = key_valid(kind, 2, n)
     mask = torch.ones(n, n, dtype=torch.bool).tril() & valid[:, None, None, :]
-    got, got_grads = against_masked_sdpa(attention.causal_padded_attention, valid, mask, seed=1)
+    got, got_grads = against_masked_sdpa(fn, valid, mask, seed=1)
     if kind == "left":
         assert got[0, :, : n // 2].abs().max() == 0 and got_grads[0][0, :, : n // 2].abs().max() == 0
+
+
+@pytest.mark.parametrize("n", [100, 128, 300, 640])
+@pytest.mark.parametrize("kind", ["ones", "right", "left", "random"])
+def test_block_mask_past_the_prefix_lists_the_tiles_torch_lists(kind, n):
+    """With the valid prefix of each row: the tiles of the queries past it only, as torch lists them on the dense
+    mask function; every tile listed full is visible whole."""
+    valid = key_valid(kind, 2, n)
+    valid[1, : n // 2] = True  # the second row's prefix in the middle of a tile
+    prefix = valid.int().cumprod(-1).sum(-1, dtype=torch.int32)
+    got = attention.block_mask(valid, n, prefix=prefix)
+    want = create_block_mask(lambda b, h, q, kv: (kv <= q) & valid[b, kv] & (q >= prefix[b]), 2, 1, n, n,
+                             device="cpu")
+    full = listed(got.full_kv_num_blocks, got.full_kv_indices)
+    partial = listed(got.kv_num_blocks, got.kv_indices)
+    assert not full & partial
+    assert full | partial == listed(want.kv_num_blocks, want.kv_indices) | listed(want.full_kv_num_blocks,
+                                                                                 want.full_kv_indices)
+    dense = (torch.ones(n, n, dtype=torch.bool).tril() & valid[:, None, :]
+             & (torch.arange(n)[None, :, None] >= prefix[:, None, None]))
+    tile = attention.BLOCK
+    for b, row, col in full:
+        assert dense[b, row * tile:(row + 1) * tile, col * tile:(col + 1) * tile].all()
+    if kind == "ones":
+        assert not full and not partial  # nothing is left to FlexAttention
 
 
 def documents(kind, batch, n):

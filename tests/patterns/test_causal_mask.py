@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from moe_fuse import dispatch
+from moe_fuse import config, dispatch
 from support.models import loss_and_grads, qwen3_moe, rel_err, token_batch
 
 SDPA_LINE = re.compile(r"= torch\._C\._nn\.scaled_dot_product_attention\((.*)\)")
@@ -95,28 +95,33 @@ def test_padding_mask_on_the_cpu_stays_with_the_reason(tmp_path):
                                                          "is on cpu)") for reason in reasons), reasons
 
 
+@pytest.mark.parametrize("flash_prefix", [False, True])
 @pytest.mark.parametrize("kind", ["ones", "right", "left"])
-def test_padded_mask_becomes_one_flex_attention_call(tmp_path, monkeypatch, kind):
+def test_padded_mask_becomes_one_flex_attention_call(tmp_path, monkeypatch, kind, flash_prefix):
     """With the GPU's answer (FlexAttention applies), the masked call becomes attention.causal_padded_attention on
     the mask's last query row, reading the unrepeated key / value heads: loss, logits (padded positions included)
-    and every gradient as eager's masked SDPA. Inner aot_eager runs FlexAttention's own dense reference."""
+    and every gradient as eager's masked SDPA. Inner aot_eager runs FlexAttention's own dense reference. With
+    config.flash_prefix the call is attention.causal_prefix_padded_attention, on the same operands."""
     monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
     model = qwen3_moe(attn_implementation="sdpa")
     ids = token_batch()
     attention_mask = padding_mask(ids, kind)
     eager = loss_and_grads(model, ids, use_cache=False, attention_mask=attention_mask)
-    assert_parity(eager, compile_and_run(model, ids, tmp_path, use_cache=False, attention_mask=attention_mask))
+    with config.patch(flash_prefix=flash_prefix):
+        assert_parity(eager, compile_and_run(model, ids, tmp_path, use_cache=False, attention_mask=attention_mask))
     assert sdpa_calls(tmp_path) == []
     text = "".join(p.read_text() for p in sorted(tmp_path.glob("graph_*/after.py")))
-    calls = re.findall(r"= moe_fuse_attention_causal_padded_attention\((.*)\)", text)
+    fn = "causal_prefix_padded_attention" if flash_prefix else "causal_padded_attention"
+    calls = re.findall(rf"= moe_fuse_attention_{fn}\((.*)\)", text)
     assert len(calls) == 2 and "in repeat_kv" not in text
     for call in calls:  # q, unrepeated k and v, the mask's last query row, the layer's scale
         assert re.fullmatch(r"q_embed(_\d+)?, k_embed(_\d+)?, value_states(_\d+)?, getitem_\d+, 0\.35355\d*", call), call
     assert len(re.findall(r"= attention_mask_1\[\(slice\(None, None, None\), 0, -1, slice\(None, None, None\)\)\]",
                           text)) == 2
     rewrites = [m for r in reports(tmp_path) for m in r["matches"] if m["pattern"] == "causal_padded_sdpa_mask"]
+    kernel = "sdpa_causal_prefix+flex_attention" if flash_prefix else "flex_attention"
     assert [(m["query_length"], m["kernel"], m["gqa_group"], m["verified"]) for m in rewrites] == [
-        (12, "flex_attention", 2, "proved")] * 2
+        (12, kernel, 2, "proved")] * 2
 
 
 class _Masked(torch.nn.Module):
