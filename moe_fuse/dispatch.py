@@ -132,9 +132,10 @@ class ExpertsPlan:
 def host_bound_step(tokens, device: torch.device, grad: bool) -> str | None:
     """Why an MoE block of an inference graph is left to Inductor, or None to fuse it: a step of at most
     ``config.small_step_tokens`` tokens on a GPU (a decode step) is bound by the host's time to issue it, and the
-    fused ops issue more host work than Inductor's graph (H100, 30B layer: T=8 0.567 against 0.264 ms, T=64
-    0.741 against 0.534; bench/results/layer_decode_h100.md). Under CUDA graphs the host is out of the step and
-    the fused ops are the faster (T=1-64: 1.19-1.41x), so there they run. Symbolic token counts are fused."""
+    fused ops issue more host work than Inductor's graph (H100, 30B layer, before this gate: T=8 0.567 against
+    0.264 ms, T=64 0.741 against 0.534; docs/performance.md). Under CUDA graphs the host is out of the step and
+    the fused ops are the faster (T=1-64: 1.19-1.21x, bench/results/layer_decode_h100.md), so there they run.
+    Symbolic token counts are fused."""
     if grad or device.type != "cuda" or config.mode in ("reduce-overhead", "max-autotune"):
         return None
     if not isinstance(tokens, int) or tokens > config.small_step_tokens:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 import torch.fx as fx
 
 from ..spec import ExpertsSpec, RouterSpec
@@ -45,8 +46,6 @@ class Candidate:
         """Whether a gradient can flow through the region: grad mode on while the graph compiles and an input that
         requires one. An inference graph (compiled under no_grad, or over inputs none of which requires a gradient)
         never runs the op's backward: Dynamo guards both."""
-        import torch
-
         return torch.is_grad_enabled() and any(getattr(meta_value(n), "requires_grad", False)
                                                for n in self.region.inputs)
 
