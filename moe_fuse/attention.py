@@ -12,7 +12,8 @@ the tiles that hold some padding. A query row with no valid key at all (left pad
 with zero gradients, as SDPA's.
 
 ``causal_prefix_padded_attention`` computes what ``causal_padded_attention`` does in two kernels (flash attention
-for the queries before their row's first padded key, FlexAttention for the rest): ``config.flash_prefix``.
+for the queries before their row's first padded key, FlexAttention for the rest); the rewrite calls it unless
+``config.flash_prefix`` is off.
 
 ``causal_document_attention(q, k, v, document, scale)`` does the same for sequences packed into one row
 (document ids that never decrease along it): query q reads key kv <= q of its own document.

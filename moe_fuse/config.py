@@ -101,10 +101,10 @@ SETTINGS: dict[str, Setting] = {
                              "data gradients", _bool, "True or False"),
     "direct_launch": Setting(True, "launch compiled Triton kernels seen before without JITFunction.run's Python "
                              "(on the triton minor version it was checked on)", _bool, "True or False"),
-    "flash_prefix": Setting(False, "the padded-mask attention in two kernels: the queries before each row's first "
+    "flash_prefix": Setting(True, "the padded-mask attention in two kernels: the queries before each row's first "
                             "padded key through SDPA is_causal=True (flash attention), the rest through "
                             "FlexAttention; a where keeps each row (exact; under left padding the SDPA call is "
-                            "wasted)", _bool, "True or False"),
+                            "wasted). False: FlexAttention alone", _bool, "True or False"),
     "small_step_tokens": Setting(64, "an inference graph of at most this many tokens (a decode step) on a GPU is left "
                                  "to Inductor unless it runs under CUDA graphs (mode reduce-overhead): host-bound, "
                                  "and the fused ops issue more host work (0: fuse every size)", _rows, "an int >= 0"),
@@ -128,7 +128,7 @@ inference_grouped_mm: bool | None = None
 split_backward: bool = True
 overlap_wgrad: bool = True
 direct_launch: bool = True
-flash_prefix: bool = False
+flash_prefix: bool = True
 small_step_tokens: int = 64
 
 _this = sys.modules[__name__]

@@ -73,17 +73,24 @@ def grouped_mm_only(activation: str, gate_up_bias, interleaved: bool) -> bool:
     return gate_up_bias is not None or interleaved or not gated(activation) or softcaps(activation) is not None
 
 
-def inference_on_grouped_mm(x, weights) -> bool:
+# The no_grad forward of one layer, T=16384, H100: I=768 (30B) fused 2.774 against grouped_mm 2.875 ms; I=1536
+# (235B) fused 10.127 against grouped_mm 9.750 ms (bench/results/layer_inference_h100.md).
+INFERENCE_GROUPED_MM_MIN_I = 1024
+
+
+def inference_on_grouped_mm(x, weights, w_down) -> bool:
     """Whether the forward that keeps nothing takes the grouped_mm path (where it applies) rather than the fused
-    Triton GEMMs: ``config.inference_grouped_mm``, or by default when the routing weights are wider than x.
+    Triton GEMMs: ``config.inference_grouped_mm``, or by default when the routing weights are wider than x or the
+    experts' intermediate size is ``INFERENCE_GROUPED_MM_MIN_I`` or more.
 
     The fused forward keeps each token's k weighted slots in the promoted dtype of the weights and the expert
     outputs, as the reference sums them: routing weights wider than x (Mixtral, DeepSeek-V2, GLM-4.5 keep them in
     fp32) double those [T*k, H] bytes. The grouped_mm path folds the weight in before the down GEMM and writes the
-    slots in x's dtype (docs/performance.md has the measurement)."""
+    slots in x's dtype. With bf16 weights the fused GEMMs win on narrow experts and lose on wide ones
+    (docs/performance.md has the measurements)."""
     if config.inference_grouped_mm is not None:
         return config.inference_grouped_mm
-    return weights.dtype.itemsize > x.dtype.itemsize
+    return weights.dtype.itemsize > x.dtype.itemsize or w_down.shape[-1] >= INFERENCE_GROUPED_MM_MIN_I
 
 
 def ragged(rows: int) -> bool:
@@ -146,8 +153,10 @@ def host_bound_step(tokens, device: torch.device, grad: bool) -> str | None:
 
 
 def padded_attention():
-    """The function the padded-mask rewrite calls: FlexAttention alone, or with ``config.flash_prefix`` flash
-    attention for the rows before each row's first padded key and FlexAttention for the rest."""
+    """The function the padded-mask rewrite calls: with ``config.flash_prefix`` (the default) flash attention for
+    the rows before each row's first padded key and FlexAttention for the rest, else FlexAttention alone. The
+    two kernels won on the 6-layer 30B-shaped step, 1 x 8192 tokens: 91.02 against 99.79 ms with an all-ones
+    mask, 96.41 against 98.30 with right padding (H100, bench/results/train_step_masks_h100.md)."""
     from . import attention
 
     return attention.causal_prefix_padded_attention if config.flash_prefix else attention.causal_padded_attention
@@ -192,7 +201,7 @@ def _forward_without_h(x, ids, weights, w_gate_up, w_down, activation, gate_up_b
     # Weights stored transposed take the grouped_mm path: the fused Triton GEMMs would read them through pointer
     # loads (their TMA descriptors need the contiguous layout).
     on_path = (transposed(w_gate_up) or transposed(w_down) or grouped_mm_only(activation, gate_up_bias, interleaved)
-               or inference_on_grouped_mm(x, weights))
+               or inference_on_grouped_mm(x, weights, w_down))
     return "grouped_mm" if on_path and uses_grouped_mm(x, ids, w_gate_up, w_down) else "triton"
 
 

@@ -218,19 +218,23 @@ def test_ragged_gemm_from_min_rows_up(monkeypatch):
         assert len(calls) == want, (min_rows, len(calls))
 
 
-def test_inference_rule_follows_the_routing_weights_dtype(monkeypatch):
+def test_inference_rule_follows_the_routing_weights_dtype_and_the_expert_width(monkeypatch):
     """The forward without h takes grouped_mm_path when the routing weights are wider than x (the fused forward
-    would keep the k slots in that dtype); config.inference_grouped_mm forces either way."""
+    would keep the k slots in that dtype) or the experts are INFERENCE_GROUPED_MM_MIN_I wide or more;
+    config.inference_grouped_mm forces either way."""
     x16, x32 = torch.empty(2, 4, dtype=torch.bfloat16), torch.empty(2, 4)
     w16, w32 = torch.empty(2, 2, dtype=torch.bfloat16), torch.empty(2, 2)
+    wide = dispatch.INFERENCE_GROUPED_MM_MIN_I
+    narrow_down, wide_down = torch.empty(2, 4, wide - 8, device="meta"), torch.empty(2, 4, wide, device="meta")
     assert config.inference_grouped_mm is None
-    assert dispatch.inference_on_grouped_mm(x16, w32)
-    assert not dispatch.inference_on_grouped_mm(x16, w16)
-    assert not dispatch.inference_on_grouped_mm(x32, w32)
+    assert dispatch.inference_on_grouped_mm(x16, w32, narrow_down)
+    assert not dispatch.inference_on_grouped_mm(x16, w16, narrow_down)
+    assert not dispatch.inference_on_grouped_mm(x32, w32, narrow_down)
+    assert dispatch.inference_on_grouped_mm(x16, w16, wide_down)
     monkeypatch.setattr(config, "inference_grouped_mm", False)
-    assert not dispatch.inference_on_grouped_mm(x16, w32)
+    assert not dispatch.inference_on_grouped_mm(x16, w32, wide_down)
     monkeypatch.setattr(config, "inference_grouped_mm", True)
-    assert dispatch.inference_on_grouped_mm(x32, w32)
+    assert dispatch.inference_on_grouped_mm(x32, w32, narrow_down)
 
 
 def test_inference_switch_sends_the_forward_without_h_to_the_path(monkeypatch):

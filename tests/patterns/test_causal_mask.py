@@ -97,11 +97,12 @@ def test_padding_mask_on_the_cpu_stays_with_the_reason(tmp_path):
 
 @pytest.mark.parametrize("flash_prefix", [False, True])
 @pytest.mark.parametrize("kind", ["ones", "right", "left"])
-def test_padded_mask_becomes_one_flex_attention_call(tmp_path, monkeypatch, kind, flash_prefix):
-    """With the GPU's answer (FlexAttention applies), the masked call becomes attention.causal_padded_attention on
-    the mask's last query row, reading the unrepeated key / value heads: loss, logits (padded positions included)
-    and every gradient as eager's masked SDPA. Inner aot_eager runs FlexAttention's own dense reference. With
-    config.flash_prefix the call is attention.causal_prefix_padded_attention, on the same operands."""
+def test_padded_mask_becomes_the_padded_attention_call(tmp_path, monkeypatch, kind, flash_prefix):
+    """With the GPU's answer (FlexAttention applies), the masked call becomes
+    attention.causal_prefix_padded_attention (config.flash_prefix, the default) or attention.causal_padded_attention
+    on the mask's last query row, reading the unrepeated key / value heads: loss, logits (padded positions
+    included) and every gradient as eager's masked SDPA. Inner aot_eager runs FlexAttention's own dense
+    reference."""
     monkeypatch.setattr(dispatch, "padded_attention_applies", lambda q, k: None)
     model = qwen3_moe(attn_implementation="sdpa")
     ids = token_batch()
