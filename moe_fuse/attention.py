@@ -140,125 +140,20 @@ def causal_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out[0]
 
 
-def _segments(prefix: torch.Tensor, length: int) -> torch.Tensor:
-    """Cumulative sequence bounds [2B + 1] (int32) cutting each row b of ``length`` positions in two sequences: its
-    first ``prefix[b]`` positions, and the rest."""
-    starts = torch.arange(prefix.shape[0], device=prefix.device, dtype=torch.int32) * length
-    bounds = torch.stack([starts, starts + prefix.to(torch.int32)], 1).flatten()
-    return torch.cat([bounds, bounds.new_full((1,), prefix.shape[0] * length)])
-
-
-def _packed(t: torch.Tensor) -> torch.Tensor:
-    """[B, H, L, D] -> [B * L, H, D], flash attention's packed layout."""
-    b, h, n, d = t.shape
-    return t.transpose(1, 2).reshape(b * n, h, d).contiguous()
-
-
-def _unpacked(t: torch.Tensor, batch: int) -> torch.Tensor:
-    rows, h, d = t.shape
-    return t.view(batch, rows // batch, h, d).transpose(1, 2)
-
-
-def _flash_segments(q: torch.Tensor) -> bool:
-    """Whether ``prefix_causal_attention`` runs flash attention's variable-length kernel on these queries."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-            and hasattr(torch.ops.aten, "_flash_attention_forward"))
-
-
-@torch.library.custom_op("moe_fuse::prefix_causal_attention", mutates_args=())
-def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: torch.Tensor,
-                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention for the queries before ``prefix[b]`` in each row b: (out [B, Hq, L, D], the log-sum-exp
-    its backward reads). What it gives past the prefix is unspecified: the caller drops those rows. In fp16 / bf16
-    on a GPU one flash attention call over 2B sequences (each row's prefix, and the rest of the row apart), so
-    the work past the prefix is (L - prefix)^2 / 2, not the causal rows' (L^2 - prefix^2) / 2; elsewhere SDPA
-    ``is_causal=True`` over whole rows."""
-    return _prefix_forward(q, k, v, prefix, scale)
-
-
-def _prefix_forward(q, k, v, prefix, scale):
-    batch, heads, length, _ = q.shape
-    if _flash_segments(q):
-        cu = _segments(prefix, length)
-        out, lse, *_ = torch.ops.aten._flash_attention_forward(_packed(q), _packed(k), _packed(v), cu, cu, length,
-                                                               length, 0.0, True, False, scale=scale)
-        return _unpacked(out, batch), lse
-    return _like_packed(_dense(q, k, v, scale)), q.new_zeros((heads, batch * length), dtype=torch.float32)
-
-
-def _dense(q, k, v, scale):
-    """The portable path: causal attention over whole rows (what it gives past the prefix differs, and is dropped)."""
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                            enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _like_packed(t: torch.Tensor) -> torch.Tensor:
-    """``t`` [B, H, L, D] in flash attention's packed layout (what the fake implementations promise)."""
-    return _unpacked(_packed(t), t.shape[0])
-
-
-def _empty_packed(t: torch.Tensor) -> torch.Tensor:
-    b, h, n, d = t.shape
-    return t.new_empty(b, n, h, d).transpose(1, 2)
-
-
-@prefix_causal_attention.register_fake
-def _(q, k, v, prefix, scale):
-    if _flash_segments(q):  # flash attention's own fake: the log-sum-exp's layout is its own
-        return _prefix_forward(q, k, v, prefix, scale)
-    return _empty_packed(q), q.new_empty((q.shape[1], q.shape[0] * q.shape[2]), dtype=torch.float32)
-
-
-@torch.library.custom_op("moe_fuse::prefix_causal_attention_backward", mutates_args=())
-def prefix_causal_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                     out: torch.Tensor, lse: torch.Tensor, prefix: torch.Tensor,
-                                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of ``prefix_causal_attention``."""
-    batch, _, length, _ = q.shape
-    if _flash_segments(q):
-        cu = _segments(prefix, length)
-        seed, offset = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
-        grads = torch.ops.aten._flash_attention_backward(_packed(dout), _packed(q), _packed(k), _packed(v),
-                                                         _packed(out), lse, cu, cu, length, length, 0.0, True,
-                                                         seed, offset, scale=scale)
-        return tuple(_unpacked(g, batch) for g in grads)
-    _, pull = torch.func.vjp(lambda *qkv: _dense(*qkv, scale), q, k, v)
-    return tuple(_like_packed(g) for g in pull(dout))
-
-
-@prefix_causal_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, prefix, scale):
-    return _empty_packed(q), _empty_packed(k), _empty_packed(v)
-
-
-def _prefix_setup(ctx, inputs, output):
-    q, k, v, prefix, scale = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], prefix)
-    ctx.scale = scale
-
-
-def _prefix_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, prefix = ctx.saved_tensors
-    dq, dk, dv = prefix_causal_attention_backward(dout.contiguous(), q, k, v, out, lse, prefix, ctx.scale)
-    return dq, dk, dv, None, None
-
-
-prefix_causal_attention.register_autograd(_prefix_backward, setup_context=_prefix_setup)
-
-
 def causal_prefix_padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
                                    scale: float) -> torch.Tensor:
     """``causal_padded_attention`` in two kernels: a query before the first padded key of its row (a tokenizer's
     all-ones mask: every query; right padding: every real token) sees exactly the causal keys, so those rows come
-    from flash attention (``prefix_causal_attention``), and FlexAttention computes only the rows past
+    from SDPA with ``is_causal=True`` (flash attention on a GPU), and FlexAttention computes only the rows past
     that prefix, the rest of its tiles skipped; a ``where`` keeps each row from its kernel. The prefix is counted
-    on the device: no host sync. Under left padding the prefix is empty and the flash call is wasted."""
+    on the device: no host sync. Under left padding the prefix is empty and the SDPA call is wasted."""
     from torch._higher_order_ops.flex_attention import flex_attention
 
     length = q.shape[-2]
     key_valid = key_valid.expand(q.shape[0], length)
     prefix = key_valid.to(torch.int32).cumprod(-1).sum(-1, dtype=torch.int32)  # [B] keys valid from the first
-    causal = prefix_causal_attention(q, k, v, prefix, scale)[0]
+    causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                              enable_gqa=q.shape[1] != k.shape[1])
     mask = block_mask(key_valid, length, prefix=prefix)
     padded = torch.nn.functional.pad(key_valid, (0, -length % BLOCK), value=False)
     rest = flex_attention(q, k, v, _keep_score, mask.as_tuple(), scale, _kernel_options(q, k, v), (),
