@@ -35,6 +35,10 @@ def init_gloo(rank: int, world: int, store_path: str) -> None:
     # A generous timeout: on a loaded 2-core machine one rank may still be compiling while the other waits.
     timeout = datetime.timedelta(seconds=300)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    # Gloo's set-up can return on one rank while another still connects to it: a rank that went on and left
+    # at once (or died on purpose, test_ep_common) closed the connection under the other ("Connection closed by
+    # peer" in init_process_group, a raise that is never retried). Every rank is connected past this barrier.
+    dist.barrier()
 
 
 def _run_rank(rank: int, worker, *args) -> None:
