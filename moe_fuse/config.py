@@ -93,8 +93,11 @@ SETTINGS: dict[str, Setting] = {
                                "cost outweighs its gain", _rows, "an int >= 0"),
     "inference_grouped_mm": Setting(None, "the forward that keeps nothing for a backward (inference, checkpointed "
                                     "layers): True grouped_mm path, False fused Triton GEMMs, None: grouped_mm "
-                                    "path when the routing weights are wider than x", lambda v: v in (None, True, False),
-                                    "True, False or None"),
+                                    "path when the routing weights are wider than x or the experts inference_min_width "
+                                    "wide", lambda v: v in (None, True, False), "True, False or None"),
+    "inference_min_width": Setting(1024, "experts' intermediate size from which the forward that keeps nothing takes "
+                                   "the grouped_mm path by default (narrower: the fused Triton GEMMs, the faster there)",
+                                   _rows, "an int >= 0"),
     "split_backward": Setting(True, "the grouped_mm path's training backward as three ops (frees h and aw after the "
                               "first) rather than one", _bool, "True or False"),
     "overlap_wgrad": Setting(True, "fused Triton backward: the weight gradients on a side stream, overlapping the "
@@ -125,6 +128,7 @@ grouped_mm: bool = True
 ragged_gemm: bool = True
 ragged_min_rows: int = 65536
 inference_grouped_mm: bool | None = None
+inference_min_width: int = 1024
 split_backward: bool = True
 overlap_wgrad: bool = True
 direct_launch: bool = True

@@ -73,24 +73,20 @@ def grouped_mm_only(activation: str, gate_up_bias, interleaved: bool) -> bool:
     return gate_up_bias is not None or interleaved or not gated(activation) or softcaps(activation) is not None
 
 
-# The no_grad forward of one layer, T=16384, H100: I=768 (30B) fused 2.774 against grouped_mm 2.875 ms; I=1536
-# (235B) fused 10.127 against grouped_mm 9.750 ms (bench/results/layer_inference_h100.md).
-INFERENCE_GROUPED_MM_MIN_I = 1024
-
-
 def inference_on_grouped_mm(x, weights, w_down) -> bool:
     """Whether the forward that keeps nothing takes the grouped_mm path (where it applies) rather than the fused
     Triton GEMMs: ``config.inference_grouped_mm``, or by default when the routing weights are wider than x or the
-    experts' intermediate size is ``INFERENCE_GROUPED_MM_MIN_I`` or more.
+    experts' intermediate size is ``config.inference_min_width`` or more.
 
     The fused forward keeps each token's k weighted slots in the promoted dtype of the weights and the expert
     outputs, as the reference sums them: routing weights wider than x (Mixtral, DeepSeek-V2, GLM-4.5 keep them in
     fp32) double those [T*k, H] bytes. The grouped_mm path folds the weight in before the down GEMM and writes the
-    slots in x's dtype. With bf16 weights the fused GEMMs win on narrow experts and lose on wide ones
-    (docs/performance.md has the measurements)."""
+    slots in x's dtype. With bf16 weights the fused GEMMs win on narrow experts and lose on wide ones: the no_grad
+    forward of one layer at T=16384 (H100) took 2.774 ms fused against 2.875 on the path at I=768 (30B), 10.127
+    against 9.750 at I=1536 (235B) (bench/results/layer_inference_h100.md)."""
     if config.inference_grouped_mm is not None:
         return config.inference_grouped_mm
-    return weights.dtype.itemsize > x.dtype.itemsize or w_down.shape[-1] >= INFERENCE_GROUPED_MM_MIN_I
+    return weights.dtype.itemsize > x.dtype.itemsize or w_down.shape[-1] >= config.inference_min_width
 
 
 def ragged(rows: int) -> bool:

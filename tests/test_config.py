@@ -61,7 +61,7 @@ def test_every_setting_is_in_the_cache_tag():
     for name, s in config.SETTINGS.items():
         other = {"inner": "eager", "mode": "reduce-overhead", "ragged_min_rows": 1, "debug_dir": "somewhere",
                  "ep_chunks": 2, "inference_grouped_mm": True, "small_step_tokens": 0,
-                 "verify_tokens": 0}.get(name, not s.default)
+                 "verify_tokens": 0, "inference_min_width": 0}.get(name, not s.default)
         with config.patch({name: other}):
             tags.add(backend.cache_tag())
     assert len(tags) == len(config.SETTINGS) + 1

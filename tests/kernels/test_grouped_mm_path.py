@@ -220,11 +220,11 @@ def test_ragged_gemm_from_min_rows_up(monkeypatch):
 
 def test_inference_rule_follows_the_routing_weights_dtype_and_the_expert_width(monkeypatch):
     """The forward without h takes grouped_mm_path when the routing weights are wider than x (the fused forward
-    would keep the k slots in that dtype) or the experts are INFERENCE_GROUPED_MM_MIN_I wide or more;
+    would keep the k slots in that dtype) or the experts are config.inference_min_width wide or more;
     config.inference_grouped_mm forces either way."""
     x16, x32 = torch.empty(2, 4, dtype=torch.bfloat16), torch.empty(2, 4)
     w16, w32 = torch.empty(2, 2, dtype=torch.bfloat16), torch.empty(2, 2)
-    wide = dispatch.INFERENCE_GROUPED_MM_MIN_I
+    wide = config.inference_min_width
     narrow_down, wide_down = torch.empty(2, 4, wide - 8, device="meta"), torch.empty(2, 4, wide, device="meta")
     assert config.inference_grouped_mm is None
     assert dispatch.inference_on_grouped_mm(x16, w32, narrow_down)
