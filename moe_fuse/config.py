@@ -76,8 +76,8 @@ SETTINGS: dict[str, Setting] = {
     "causal_sdpa_grouped_heads": Setting(True, "the causal-mask rewrite also takes SDPA calls whose key / value "
                                          "heads were repeated for grouped-query attention (passes enable_gqa)",
                                          _bool, "True or False", option=True),
-    "keep_rows": Setting(True, "keep the expert-sorted rows of x and the weighted activation for the backward "
-                         "(False: k*T*(H + I) fewer elements held per MoE layer, a slower backward)", _bool,
+    "keep_rows": Setting(True, "keep the expert-sorted rows of x for the backward (False: k*T*H fewer elements "
+                         "held per MoE layer, a slower backward; also drops what keep_activation keeps)", _bool,
                          "True or False", option=True),
     "ep_chunks": Setting(None, "expert parallelism: replace TorchTitan's all-to-all dispatch chain by the chunked, "
                          "overlapped moe_fuse.ep_experts op with this many expert groups (None: leave it)",
@@ -98,6 +98,10 @@ SETTINGS: dict[str, Setting] = {
     "inference_min_width": Setting(1024, "experts' intermediate size from which the forward that keeps nothing takes "
                                    "the grouped_mm path by default (narrower: the fused Triton GEMMs, the faster there)",
                                    _rows, "an int >= 0"),
+    "keep_activation": Setting(False, "the grouped_mm path's training forward, with keep_rows, also keeps the "
+                               "weighted activation for dW_down (k*T*I more elements held per MoE layer; the "
+                               "backward frees the sorted dy sooner: a lower peak for a lone layer). False: the "
+                               "dSwiGLU pass writes it again", _bool, "True or False"),
     "split_backward": Setting(True, "the grouped_mm path's training backward as three ops (frees h and aw after the "
                               "first) rather than one", _bool, "True or False"),
     "overlap_wgrad": Setting(True, "fused Triton backward: the weight gradients on a side stream, overlapping the "
@@ -129,6 +133,7 @@ ragged_gemm: bool = True
 ragged_min_rows: int = 65536
 inference_grouped_mm: bool | None = None
 inference_min_width: int = 1024
+keep_activation: bool = False
 split_backward: bool = True
 overlap_wgrad: bool = True
 direct_launch: bool = True

@@ -122,14 +122,15 @@ def router_on_kernels(x) -> bool:
 
 @dataclass(frozen=True)
 class ExpertsPlan:
-    """What one experts call runs and keeps. ``forward``: "grouped_mm", "triton" or "reference"; h_rows, rows and
-    routing_size: the sizes of the saved h [h_rows, 2I], xs [rows, H] and aw [rows, I], and the int32 routing
-    buffer (0: not kept). The grouped_mm path's GEMM choice, ``ragged``, follows from the row count alone."""
+    """What one experts call runs and keeps. ``forward``: "grouped_mm", "triton" or "reference"; h_rows, rows,
+    act_rows and routing_size: the sizes of the saved h [h_rows, 2I], xs [rows, H], aw [act_rows, I] and the int32
+    routing buffer (0: not kept). The grouped_mm path's GEMM choice, ``ragged``, follows from the row count alone."""
 
     forward: str
     h_rows: int = 0
     rows: int = 0
     routing_size: int = 0
+    act_rows: int = 0
 
 
 def host_bound_step(tokens, device: torch.device, grad: bool) -> str | None:
@@ -187,7 +188,9 @@ def plan(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows:
     if save_h:
         from .kernels import routing_buffer_size as buffer_size
 
-        return ExpertsPlan("grouped_mm" if grouped else "triton", h_rows=S, rows=S if keep_rows and grouped else 0,
+        kept = keep_rows and grouped
+        return ExpertsPlan("grouped_mm" if grouped else "triton", h_rows=S, rows=S if kept else 0,
+                           act_rows=S if kept and config.keep_activation else 0,
                            routing_size=buffer_size(S, w_gate_up.shape[0]))
     return ExpertsPlan(_forward_without_h(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias,
                                           interleaved))

@@ -176,8 +176,9 @@ def experts(
     With ``save_h``: h [T*k, 2I] is the pre-activation gate | up in expert order (the backward's first
     GEMM then costs 2 instead of 6 T*k*H*I FLOPs); on the CUDA kernels, routing is the int32 routing
     buffer (``kernels.route``'s, no re-routing in the backward), and on the grouped_mm path xs [T*k, H]
-    the expert-sorted rows of x (no second gather) and aw [T*k, I] the SwiGLU output times the routing
-    weight (not written again by the dSwiGLU pass). Each is empty where not kept. The rewrite saves
+    the expert-sorted rows of x (no second gather) and, with ``config.keep_activation``, aw [T*k, I] the
+    SwiGLU output times the routing weight (else the dSwiGLU pass writes it again). Each is empty where
+    not kept. The rewrite saves
     them unless the block sits in an activation-checkpointed region, where recomputing inside the
     backward is cheaper than re-running the forward to rebuild them. keep_rows=False (the backend's
     ``moe_fuse.keep_rows`` option) keeps h and the routing but not xs and aw: T*k*(H + I) fewer elements
@@ -197,7 +198,9 @@ def experts(
         y, h, routing, *rows = dispatch.experts_forward(
             x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=bool(plan.rows), path=plan.forward, **lim
         )
-        xs, aw = rows if plan.rows else (_empty(x, x.shape[1]), _empty(w_down, w_down.shape[2]))
+        xs, aw = rows if plan.rows else (_empty(x, x.shape[1]), None)
+        if not plan.act_rows:
+            aw = _empty(w_down, w_down.shape[2])
         return y, h, xs, routing.buf, aw
     if plan.forward != "reference":  # without save_h
         y = dispatch.experts_forward(x, ids, weights, w_gate_up, w_down, path=plan.forward, **lim)
@@ -251,7 +254,7 @@ def _(x, ids, weights, w_gate_up, w_down, save_h=False, epilogue="silu", gate_up
         w_gate_up.new_empty((plan.h_rows, w_gate_up.shape[1])),
         x.new_empty((plan.rows, x.shape[1])),
         ids.new_empty((plan.routing_size,), dtype=torch.int32),
-        w_down.new_empty((plan.rows, w_down.shape[2])),
+        w_down.new_empty((plan.act_rows, w_down.shape[2])),
     )
 
 

@@ -1,6 +1,6 @@
 """What moe_fuse's memory settings save on a compiled Qwen3-30B-A3B block at T=4096, measured by the CUDA
-allocator: keep_rows=False holds S (H + I) fewer elements from the forward to the backward; the backward split in
-three ops frees h and aw after the first, so its peak is lower."""
+allocator: keep_activation (off by default) holds S I more elements from the forward to the backward, keep_rows=False
+S H fewer; the backward split in three ops frees h and aw after the first, so its peak is lower."""
 
 import pytest
 import torch
@@ -38,15 +38,17 @@ def held_and_backward_peak(settings):
 
 def test_keep_rows_off_holds_less():
     needs_sm90()
-    kept, _ = held_and_backward_peak({})
+    both, _ = held_and_backward_peak({"keep_activation": True})
+    rows, _ = held_and_backward_peak({})  # the default: the sorted rows, not the weighted activation
     lean, _ = held_and_backward_peak({"keep_rows": False})
-    assert kept - lean >= 0.9 * S * (H + I) * BF16, (kept, lean)
+    assert both - rows >= 0.9 * S * I * BF16, (both, rows)
+    assert rows - lean >= 0.9 * S * H * BF16, (rows, lean)
 
 
 def test_split_backward_lowers_the_peak():
     needs_sm90()
-    _, split = held_and_backward_peak({})
-    _, one_op = held_and_backward_peak({"split_backward": False})
+    _, split = held_and_backward_peak({"keep_activation": True})
+    _, one_op = held_and_backward_peak({"keep_activation": True, "split_backward": False})
     assert one_op - split >= 0.5 * S * 3 * I * BF16, (one_op, split)  # h [S, 2I] and aw [S, I]
 
 

@@ -42,10 +42,11 @@ def _step(args, dy, keep_rows, monkeypatch, split, **gate):
     return [t.grad for t in leaves], calls
 
 
-@pytest.mark.parametrize("keep_rows", [True, False])
-def test_two_ops_give_the_single_ops_gradients(keep_rows, on_grouped_mm_path, monkeypatch):
+@pytest.mark.parametrize("keep_rows,keep_activation", [(True, True), (True, False), (False, True)])
+def test_two_ops_give_the_single_ops_gradients(keep_rows, keep_activation, on_grouped_mm_path, monkeypatch):
     args = make_case(24, 2, 4, 32, 16, torch.float32, "skewed", seed=11)
     dy = torch.randn(24, 32, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    monkeypatch.setattr(config, "keep_activation", keep_activation)
     split, split_calls = _step(args, dy, keep_rows, monkeypatch, True)
     one, one_calls = _step(args, dy, keep_rows, monkeypatch, False)
     # the single op runs both halves through experts_backward; the split calls them as ops
