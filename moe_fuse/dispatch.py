@@ -129,8 +129,8 @@ class ExpertsPlan:
     forward: str
     h_rows: int = 0
     rows: int = 0
-    routing_size: int = 0
     act_rows: int = 0
+    routing_size: int = 0
 
 
 def host_bound_step(tokens, device: torch.device, grad: bool) -> str | None:

@@ -178,9 +178,8 @@ def experts(
     buffer (``kernels.route``'s, no re-routing in the backward), and on the grouped_mm path xs [T*k, H]
     the expert-sorted rows of x (no second gather) and, with ``config.keep_activation``, aw [T*k, I] the
     SwiGLU output times the routing weight (else the dSwiGLU pass writes it again). Each is empty where
-    not kept. The rewrite saves
-    them unless the block sits in an activation-checkpointed region, where recomputing inside the
-    backward is cheaper than re-running the forward to rebuild them. keep_rows=False (the backend's
+    not kept. The rewrite saves them unless the block sits in an activation-checkpointed region, where
+    recomputing inside the backward is cheaper than re-running the forward to rebuild them. keep_rows=False (the backend's
     ``moe_fuse.keep_rows`` option) keeps h and the routing but not xs and aw: T*k*(H + I) fewer elements
     held per layer, the backward gathers x's rows again and its dSwiGLU pass writes aw.
 
@@ -198,9 +197,8 @@ def experts(
         y, h, routing, *rows = dispatch.experts_forward(
             x, ids, weights, w_gate_up, w_down, save_h=True, keep_rows=bool(plan.rows), path=plan.forward, **lim
         )
-        xs, aw = rows if plan.rows else (_empty(x, x.shape[1]), None)
-        if not plan.act_rows:
-            aw = _empty(w_down, w_down.shape[2])
+        xs = rows[0] if plan.rows else _empty(x, x.shape[1])
+        aw = rows[1] if plan.act_rows else _empty(w_down, w_down.shape[2])
         return y, h, xs, routing.buf, aw
     if plan.forward != "reference":  # without save_h
         y = dispatch.experts_forward(x, ids, weights, w_gate_up, w_down, path=plan.forward, **lim)
