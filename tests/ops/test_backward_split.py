@@ -94,31 +94,6 @@ def test_checkpointed_calls_keep_the_single_op(on_grouped_mm_path, monkeypatch):
     assert calls == ["experts_backward", "tile_map"]
 
 
-@pytest.mark.parametrize("settings,kept", [({}, "xs"), ({"keep_activation": True}, "xs,aw"), ({"keep_rows": False}, ""),
-                                            ({"keep_rows": False, "keep_activation": True}, "")])
-def test_what_the_training_forward_keeps(settings, kept, on_grouped_mm_path):
-    """On the grouped_mm path the forward that keeps h also keeps the sorted rows xs [S, H] (keep_rows, on by
-    default) and the weighted activation aw [S, I] only with keep_activation; the fake implementation agrees, and
-    the op's schema and fake pass opcheck either way."""
-    T, k, E, H, I = 12, 2, 4, 16, 8
-    S = T * k
-    args = make_case(T, k, E, H, I, torch.float32, seed=17)
-    keep_rows = settings.get("keep_rows", True)
-    with config.patch(keep_activation=settings.get("keep_activation", False)):
-        y, h, xs, routing, aw = torch.ops.moe_fuse.experts(*args, True, keep_rows=keep_rows)
-        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = torch.ops.moe_fuse.experts(*(mode.from_tensor(t) for t in args), True, keep_rows=keep_rows)
-        opcheck(torch.ops.moe_fuse.experts.default, (*args, True), {"keep_rows": keep_rows},
-                test_utils=("test_schema", "test_faketensor"))
-    assert h.shape == (S, 2 * I) and routing.numel() > 0
-    assert xs.shape == ((S, H) if "xs" in kept else (0, H))
-    assert aw.shape == ((S, I) if "aw" in kept else (0, I))
-    assert [tuple(f.shape) for f in fake] == [tuple(t.shape) for t in (y, h, xs, routing, aw)]
-    if "aw" in kept:  # the routing weight times SwiGLU(h), in expert order
-        w = args[2].reshape(-1)[kernels.routing_from_buffer(routing, S, E).order.long()]
-        torch.testing.assert_close(aw, torch.nn.functional.silu(h[:, :I]) * h[:, I:] * w[:, None])
-
-
 def test_opcheck(on_grouped_mm_path):
     """Schemas, fake implementations (the shapes and weight layouts the real ones return)."""
     T, k, E, H, I = 12, 2, 4, 16, 8

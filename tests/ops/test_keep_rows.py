@@ -1,6 +1,7 @@
-"""``moe_fuse.keep_rows=False``: the experts op keeps h and the routing for the backward but not the expert-sorted
-rows of x nor the weighted activation (T*k*(H + I) elements fewer per MoE layer); the backward gathers x again and
-its dSwiGLU pass writes the activation. The gradients are the same bits either way."""
+"""What the experts op's training forward keeps for the backward on the grouped_mm path: h, the routing, the
+expert-sorted rows of x (``moe_fuse.keep_rows``, on by default) and the weighted activation only with
+``config.keep_activation`` (off by default: the backward's dSwiGLU pass writes it again). ``moe_fuse.keep_rows=False``
+keeps neither rows nor activation; the backward gathers x again. The gradients are the same bits either way."""
 
 import os
 import re
@@ -17,7 +18,7 @@ from support import families  # noqa: E402
 from support.cases import DEVICE, make_case  # noqa: E402
 from support.steps import assert_same_step, compare  # noqa: E402
 
-from moe_fuse import dispatch  # noqa: E402
+from moe_fuse import config, dispatch  # noqa: E402
 from moe_fuse import kernels, ops  # noqa: E402
 from moe_fuse.backend import parse_options  # noqa: E402
 from moe_fuse.kernels import grouped_mm_path  # noqa: E402
@@ -70,8 +71,9 @@ def test_inference_calls_are_left_as_they_are(tmp_path):
 def test_op_keeps_neither_rows_nor_activation(on_grouped_mm_path):
     T, k, E, H, I = 24, 2, 4, 32, 16
     args = make_case(T, k, E, H, I, torch.float32, "skewed", seed=3)
-    kept = torch.ops.moe_fuse.experts(*args, True)
-    lean = torch.ops.moe_fuse.experts(*args, True, keep_rows=False)
+    with config.patch(keep_activation=True):
+        kept = torch.ops.moe_fuse.experts(*args, True)
+        lean = torch.ops.moe_fuse.experts(*args, True, keep_rows=False)
     assert kept[2].shape == (T * k, H) and kept[4].shape == (T * k, I)  # xs, aw
     assert lean[2].shape == (0, H) and lean[4].shape == (0, I)
     for a, b in zip((kept[0], kept[1], kept[3]), (lean[0], lean[1], lean[3])):  # y, h, routing
@@ -83,6 +85,31 @@ def test_op_keeps_neither_rows_nor_activation(on_grouped_mm_path):
     without = dispatch.experts_backward(dy, *args, lean[1], routing=routing)
     for a, b in zip(with_rows, without):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("settings,kept", [({}, "xs"), ({"keep_activation": True}, "xs,aw"), ({"keep_rows": False}, ""),
+                                            ({"keep_rows": False, "keep_activation": True}, "")])
+def test_what_the_training_forward_keeps(settings, kept, on_grouped_mm_path):
+    """On the grouped_mm path the forward that keeps h also keeps the sorted rows xs [S, H] (keep_rows, on by
+    default) and the weighted activation aw [S, I] only with keep_activation; the fake implementation agrees, and
+    the op's schema and fake pass opcheck either way."""
+    T, k, E, H, I = 12, 2, 4, 16, 8
+    S = T * k
+    args = make_case(T, k, E, H, I, torch.float32, seed=17)
+    keep_rows = settings.get("keep_rows", True)
+    with config.patch(keep_activation=settings.get("keep_activation", False)):
+        y, h, xs, routing, aw = torch.ops.moe_fuse.experts(*args, True, keep_rows=keep_rows)
+        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = torch.ops.moe_fuse.experts(*(mode.from_tensor(t) for t in args), True, keep_rows=keep_rows)
+        opcheck(torch.ops.moe_fuse.experts.default, (*args, True), {"keep_rows": keep_rows},
+                test_utils=("test_schema", "test_faketensor"))
+    assert h.shape == (S, 2 * I) and routing.numel() > 0
+    assert xs.shape == ((S, H) if "xs" in kept else (0, H))
+    assert aw.shape == ((S, I) if "aw" in kept else (0, I))
+    assert [tuple(f.shape) for f in fake] == [tuple(t.shape) for t in (y, h, xs, routing, aw)]
+    if "aw" in kept:  # the routing weight times SwiGLU(h), in expert order
+        w = args[2].reshape(-1)[kernels.routing_from_buffer(routing, S, E).order.long()]
+        torch.testing.assert_close(aw, torch.nn.functional.silu(h[:, :I]) * h[:, I:] * w[:, None])
 
 
 def test_opcheck_without_rows(on_grouped_mm_path):
