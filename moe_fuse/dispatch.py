@@ -180,7 +180,8 @@ def plan(x, ids, weights, w_gate_up, w_down, *, save_h: bool = False, keep_rows:
     """The plan of ``torch.ops.moe_fuse.experts`` for these inputs (see the module docstring).
 
     save_h: the forward keeps h for the backward (the reference keeps h alone; the kernels also their routing;
-    the grouped_mm path, with keep_rows, the weight gradients' operands xs and aw)."""
+    the grouped_mm path, with keep_rows, xs, and with ``config.keep_activation`` aw too: the weight gradients'
+    operands)."""
     S = ids.shape[0] * ids.shape[1]
     if not on_kernels(x, ids, weights, w_gate_up, w_down, activation, gate_up_bias, interleaved):
         return ExpertsPlan("reference", h_rows=S if save_h else 0)

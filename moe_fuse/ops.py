@@ -179,9 +179,10 @@ def experts(
     the expert-sorted rows of x (no second gather) and, with ``config.keep_activation``, aw [T*k, I] the
     SwiGLU output times the routing weight (else the dSwiGLU pass writes it again). Each is empty where
     not kept. The rewrite saves them unless the block sits in an activation-checkpointed region, where
-    recomputing inside the backward is cheaper than re-running the forward to rebuild them. keep_rows=False (the backend's
-    ``moe_fuse.keep_rows`` option) keeps h and the routing but not xs and aw: T*k*(H + I) fewer elements
-    held per layer, the backward gathers x's rows again and its dSwiGLU pass writes aw.
+    recomputing inside the backward is cheaper than re-running the forward to rebuild them.
+    keep_rows=False (the backend's ``moe_fuse.keep_rows`` option) keeps h and the routing but neither xs
+    nor aw: T*k*H fewer elements held per layer (T*k*(H + I) with keep_activation), the backward gathers
+    x's rows again.
 
     epilogue: what the experts compute between the GEMMs, ``Epilogue.encode()``'s string ("silu": SwiGLU;
     the clamped SwiGLU, the GPT-OSS-style gate, GeGLU, the softcapped SwiGLU, interleaved gate/up rows, or experts
