@@ -194,6 +194,45 @@ def host_ms(fn: Callable, dev: torch.device, grad_to_none=(), n: int = 10) -> fl
     return ms
 
 
+def allocator_churn(fn: Callable, dev: torch.device, grad_to_none=(), n: int = 5) -> dict | None:
+    """Per call of ``fn``, over ``n`` calls after warm ones: how often the caching allocator asked the driver for
+    memory (``cudaMalloc``) and how often it freed its whole cache to retry a failed request (each retry
+    synchronizes the device and frees and re-asks for blocks). Both are 0 in a steady step with room to spare;
+    on a card full of other tensors they are what slows a step (CUDA only)."""
+    if dev.type != "cuda":
+        return None
+    for _ in range(2):
+        for t in grad_to_none:
+            t.grad = None
+        fn()
+    sync(dev)
+    before = torch.cuda.memory_stats(dev)
+    for _ in range(n):
+        for t in grad_to_none:
+            t.grad = None
+        fn()
+    sync(dev)
+    after = torch.cuda.memory_stats(dev)
+    return {name: (after.get(key, 0) - before.get(key, 0)) / n
+            for name, key in (("mallocs", "num_device_alloc"), ("retries", "num_alloc_retries"))}
+
+
+def fill_device(dev: torch.device, free_gib: float, chunk_gib: float = 1.0) -> list:
+    """Tensors that leave about ``free_gib`` GiB of the device free (as a job's own weights and optimizer state
+    would): the allocator's cache is emptied first, the rest taken in ``chunk_gib`` pieces. Keep the list alive
+    while measuring; drop it to give the memory back."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(dev)
+    take = int(free - free_gib * 2**30)
+    chunk = int(chunk_gib * 2**30)
+    fill = []
+    while take > 0:
+        size = min(chunk, take)
+        fill.append(torch.empty(size, dtype=torch.uint8, device=dev))
+        take -= size
+    return fill
+
+
 def peak_mem_mb(fn: Callable, dev: torch.device, grad_to_none=()) -> float | None:
     """Device memory one call allocates at its peak over what was allocated before it (CUDA only)."""
     if dev.type != "cuda":

@@ -90,6 +90,11 @@ def run_case(shape, T, dev, dtype, args, rows):
     x = rand()
     xg = x.clone().requires_grad_()
     leaves = [xg] + params
+    # --free-gib: the rest of the card taken by other tensors, as a training job's weights and optimizer state
+    fill = common.fill_device(dev, args.free_gib) if args.free_gib is not None and dev.type == "cuda" else []
+    if fill:
+        print(f"  filled {sum(t.numel() for t in fill) / 2**30:.1f} GiB; "
+              f"{torch.cuda.mem_get_info(dev)[0] / 2**30:.1f} GiB free", flush=True)
     case_rows, rewritten = [], {}
     for v in args.variants:
         fn = compiled(v, block, args.cpu_smoke)
@@ -164,6 +169,7 @@ def run_case(shape, T, dev, dtype, args, rows):
                 row["held_mb"] = common.held_mb(fn, dev)
             if dev.type == "cuda" and row["mode"] == "fwd+bwd":
                 row["host_ms"] = common.host_ms(fn, dev, grads)
+                row["churn"] = common.allocator_churn(fn, dev, grads)
                 if args.memory_trace:
                     row["peak_sites"] = common.peak_sites(common.record_allocations(fn, dev))
         for p in leaves:
@@ -171,6 +177,7 @@ def run_case(shape, T, dev, dtype, args, rows):
         print(f"  {row['variant']:28s} {row['mode']:8s} {row['ms']:9.3f} ms  rounds "
               + " ".join(f"{m:.3f}" for m in row["rounds_ms"]), flush=True)
     rows += case_rows
+    del fill
 
 
 def timed(step, v, grads, dev, args):
@@ -199,19 +206,23 @@ def markdown(rows, peak, meta, rounds):
              f"({peak['tflops']:.1f} TFLOP/s). x inductor = Inductor's ms / this ms. err / grad err: relative to "
              f"eager (the output; the worst gradient of x and every parameter). mem: peak MB one call allocates; held: "
              f"what the training forward (fwd-train) holds until its backward, output included; first call: the peak "
-             f"MB of the first call, compiling included.", ""]
+             f"MB of the first call, compiling included. mallocs / retries: cudaMalloc calls and the allocator's "
+             f"free-the-cache-and-retry events per fwd+bwd step (0 in a steady step)."
+             + (f" The card was filled with other tensors to leave {meta['free_gib']} GiB free before each case."
+                if meta.get("free_gib") is not None else ""), ""]
     table = []
     for r in rows:
         if r["status"] == "error":
-            table.append([r["shape"], r["T"], r["mode"], r["variant"], "error", r["error"][:120]] + [None] * 10)
+            table.append([r["shape"], r["T"], r["mode"], r["variant"], "error", r["error"][:120]] + [None] * 11)
             continue
         table.append([r["shape"], r["T"], r["mode"], r["variant"], r["status"], f(r.get("ms"), ".3f"),
                       f(r.get("tflops"), ".1f"), f(r.get("pct_peak"), ".1f"), f(r.get("x_inductor"), ".2f"),
                       f(r.get("mem_mb"), ".0f"), f(r.get("held_mb"), ".0f"), f(r.get("first_call_mb"), ".0f"),
                       f(r.get("host_ms"), ".3f"),
+                      _churn(r.get("churn")),
                       f(r.get("compile_s"), ".1f"), f(r.get("err"), ".1e"), f(r.get("grad_err"), ".1e")])
     lines.append(common.md_table(["shape", "T", "mode", "variant", "status", "ms", "TFLOP/s", "% peak",
-                                  "x inductor", "mem MB", "held MB", "first call MB", "host ms", "compile s", "err",
+                                  "x inductor", "mem MB", "held MB", "first call MB", "host ms", "mallocs / retries", "compile s", "err",
                                   "grad err"],
                                  table))
     by_round = [r for r in rows if r.get("x_inductor_rounds") and r["variant"] != PEER]
@@ -227,6 +238,10 @@ def markdown(rows, peak, meta, rounds):
     if rewritten:
         lines += ["", "moe_fuse rewrites: " + "; ".join(f"{v}: {', '.join(p)}" for v, p in rewritten.items())]
     return "\n".join(lines)
+
+
+def _churn(c):
+    return "-" if not c else f"{c['mallocs']:g} / {c['retries']:g}"
 
 
 def plot(rows, peak):
@@ -262,11 +277,16 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=1, help="time every row this many times, the rows in turn")
     ap.add_argument("--memory-trace", action="store_true",
                     help="CUDA: record one fwd+bwd step's allocations and list what is live at its peak")
+    ap.add_argument("--free-gib", type=float, default=None,
+                    help="CUDA: before each case fill the card with other tensors, leaving this many GiB free (a "
+                         "job's weights and optimizer state take most of a real card)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny fp32 block on the CPU (checks the script)")
     ap.add_argument("--out", default=str(common.RESULTS), help="folder for layer_<gpu>.{md,json,png}")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.free_gib is not None and args.free_gib <= 0:
+        ap.error(f"--free-gib must be positive, got {args.free_gib}")
     try:
         args.variants = common.parse_variants(args.variants, BASES)
     except ValueError as e:
@@ -293,7 +313,8 @@ def main(argv=None):
     else:
         sys.exit("no CUDA device: use --cpu-smoke")
     common.compile_setup()
-    meta = dict(common.provenance(dev), dtype=str(dtype).replace("torch.", ""), rounds=args.rounds)
+    meta = dict(common.provenance(dev), dtype=str(dtype).replace("torch.", ""), rounds=args.rounds,
+                free_gib=args.free_gib if dev.type == "cuda" else None)
     peak = common.matmul_peak(dev, dtype)
     print(f"layer: {common.header(meta)}\nmatmul peak {peak['tflops']:.1f} TFLOP/s", flush=True)
     rows = []

@@ -38,7 +38,8 @@ def test_rows(run, check_provenance):
 
 def test_table(run):
     md = run.md()
-    assert "| shape | T | mode | variant | status | ms | TFLOP/s | % peak | x inductor | mem MB | held MB |" in md
+    assert ("| shape | T | mode | variant | status | ms | TFLOP/s | % peak | x inductor | mem MB | held MB | "
+            "first call MB | host ms | mallocs / retries |") in md
     assert "| tiny | 64 | fwd+bwd | moe_fuse:ragged_min_rows=0 | ok |" in md
     assert "- tiny T=64 fwd+bwd moe_fuse: " in md  # x inductor by round
     assert "moe_fuse rewrites: moe_fuse: grouped_mm_experts, softmax_topk_router" in md
@@ -61,9 +62,13 @@ def test_bad_variant(variants, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_rounds_must_be_positive(capsys):
+@pytest.mark.parametrize("flag, value, message", [
+    ("--rounds", "0", "--rounds must be at least 1, got 0"),
+    ("--free-gib", "0", "--free-gib must be positive, got 0.0"),
+])
+def test_counts_must_be_positive(flag, value, message, capsys):
     import layer
 
     with pytest.raises(SystemExit) as e:
-        layer.parse_args(["--cpu-smoke", "--rounds", "0"])
-    assert e.value.code == 2 and "--rounds must be at least 1, got 0" in capsys.readouterr().err
+        layer.parse_args(["--cpu-smoke", flag, value])
+    assert e.value.code == 2 and message in capsys.readouterr().err
