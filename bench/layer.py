@@ -128,6 +128,7 @@ def run_case(shape, T, dev, dtype, args, rows):
                         row["err"] = common.rel_err(out, ref_y)
                         row["grad_errs"] = {n: common.rel_err(a, b) for n, a, b in zip(names, got, ref_grads)}
                         row["grad_err"] = max(row["grad_errs"].values())
+                        del got  # the check's gradients (the size of the weights): not held while others run
                     if v.base != "eager":
                         row["compile_s"] = time.perf_counter() - t0
                 if dev.type == "cuda":
@@ -150,34 +151,59 @@ def run_case(shape, T, dev, dtype, args, rows):
                   f"grad err {common.fmt(row.get('grad_err'), '.1e')}", flush=True)
             for p in leaves:
                 p.grad = None
-    timers = {(r["variant"], r["mode"]): (lambda s=r["step"]: timed(*s, dev, args)) for r in case_rows if "step" in r}
+    timers = {(r["variant"], r["mode"]): (lambda s=r["step"]: _guarded(timed, *s, dev, args))
+              for r in case_rows if "step" in r}
     readings = common.in_turn(timers, args.rounds)
     for row in case_rows:
         step = row.pop("step", None)
         if step is None:
             continue
         runs = readings[row["variant"], row["mode"]]
-        row["rounds_ms"] = [r["ms"] for r in runs]
-        row["ms"] = statistics.median(row["rounds_ms"])
-        row["p20"], row["p80"] = runs[0]["p20"], runs[0]["p80"]
-        if "power" in runs[0]:
-            row["power"] = runs[0]["power"]
-        fn, v, grads = step
-        with config.patch(v.settings):
-            row["mem_mb"] = common.peak_mem_mb(fn, dev, grads)
-            if row["mode"] == "fwd-train":
-                row["held_mb"] = common.held_mb(fn, dev)
-            if dev.type == "cuda" and row["mode"] == "fwd+bwd":
-                row["host_ms"] = common.host_ms(fn, dev, grads)
-                row["churn"] = common.allocator_churn(fn, dev, grads)
-                if args.memory_trace:
-                    row["peak_sites"] = common.peak_sites(common.record_allocations(fn, dev))
+        failed = next((r for r in runs if "error" in r), None)
+        if failed is None:
+            failed = _guarded(measure, row, step, runs, dev, args)
         for p in leaves:
             p.grad = None
+        if "error" in failed:  # e.g. out of memory on a full card: this row only, the others still run
+            row.update(status="error", error=failed["error"], traceback=failed["traceback"])
+            print(f"  {row['variant']:28s} {row['mode']:8s} error: {row['error']}", flush=True)
+            continue
         print(f"  {row['variant']:28s} {row['mode']:8s} {row['ms']:9.3f} ms  rounds "
               + " ".join(f"{m:.3f}" for m in row["rounds_ms"]), flush=True)
     rows += case_rows
     del fill
+
+
+def _guarded(f, *args):
+    """f(*args), or {"error", "traceback"} where it raised (what it held freed and the cache emptied first)."""
+    try:
+        return f(*args)
+    except Exception:
+        tb = traceback.format_exc()
+    print("    " + tb[-1500:].replace("\n", "\n    "))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"error": tb.strip().splitlines()[-1][:300], "traceback": tb[-6000:]}
+
+
+def measure(row, step, runs, dev, args):
+    """The row's figures from its timings (``runs``), then its memory, host time and allocator churn."""
+    row["rounds_ms"] = [r["ms"] for r in runs]
+    row["ms"] = statistics.median(row["rounds_ms"])
+    row["p20"], row["p80"] = runs[0]["p20"], runs[0]["p80"]
+    if "power" in runs[0]:
+        row["power"] = runs[0]["power"]
+    fn, v, grads = step
+    with config.patch(v.settings):
+        row["mem_mb"] = common.peak_mem_mb(fn, dev, grads)
+        if row["mode"] == "fwd-train":
+            row["held_mb"] = common.held_mb(fn, dev)
+        if dev.type == "cuda" and row["mode"] == "fwd+bwd":
+            row["host_ms"] = common.host_ms(fn, dev, grads)
+            row["churn"] = common.allocator_churn(fn, dev, grads)
+            if args.memory_trace:
+                row["peak_sites"] = common.peak_sites(common.record_allocations(fn, dev))
+    return {}
 
 
 def timed(step, v, grads, dev, args):
@@ -246,7 +272,9 @@ def _churn(c):
 
 def plot(rows, peak):
     def draw(plt):
-        modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+        modes = [m for m in MODES if any(r["mode"] == m and r.get("ms") for r in rows)]
+        if not modes:
+            return
         fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 4.5), squeeze=False)
         variants = list(dict.fromkeys(r["variant"] for r in rows))
         for ax, mode in zip(axes[0], modes):
