@@ -217,20 +217,26 @@ def allocator_churn(fn: Callable, dev: torch.device, grad_to_none=(), n: int = 5
             for name, key in (("mallocs", "num_device_alloc"), ("retries", "num_alloc_retries"))}
 
 
+def available_bytes(dev: torch.device) -> int:
+    """What a new tensor can still take: the driver's free memory and what the allocator holds unused."""
+    return torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+
+
 def fill_device(dev: torch.device, free_gib: float, chunk_gib: float = 1.0) -> list:
     """Tensors that leave about ``free_gib`` GiB of the device free (as a job's own weights and optimizer state
-    would): the allocator's cache is emptied first, the rest taken in ``chunk_gib`` pieces. Keep the list alive
-    while measuring; drop it to give the memory back."""
+    would): what the driver has free plus what the allocator holds unused, taken in ``chunk_gib`` pieces until
+    the rest is within 64 MiB of ``free_gib`` (asked again after each piece: memory freed meanwhile is taken too).
+    Keep the list alive while measuring; drop it to give the memory back."""
+    import gc
+
+    gc.collect()
     torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info(dev)
-    take = int(free - free_gib * 2**30)
-    chunk = int(chunk_gib * 2**30)
     fill = []
-    while take > 0:
-        size = min(chunk, take)
-        fill.append(torch.empty(size, dtype=torch.uint8, device=dev))
-        take -= size
-    return fill
+    while True:
+        take = available_bytes(dev) - int(free_gib * 2**30)
+        if take < 64 << 20:
+            return fill
+        fill.append(torch.empty(min(int(chunk_gib * 2**30), take), dtype=torch.uint8, device=dev))
 
 
 def peak_mem_mb(fn: Callable, dev: torch.device, grad_to_none=()) -> float | None:

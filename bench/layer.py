@@ -94,7 +94,7 @@ def run_case(shape, T, dev, dtype, args, rows):
     fill = common.fill_device(dev, args.free_gib) if args.free_gib is not None and dev.type == "cuda" else []
     if fill:
         print(f"  filled {sum(t.numel() for t in fill) / 2**30:.1f} GiB; "
-              f"{torch.cuda.mem_get_info(dev)[0] / 2**30:.1f} GiB free", flush=True)
+              f"{common.available_bytes(dev) / 2**30:.1f} GiB free", flush=True)
     case_rows, rewritten = [], {}
     for v in args.variants:
         fn = compiled(v, block, args.cpu_smoke)
@@ -161,11 +161,17 @@ def run_case(shape, T, dev, dtype, args, rows):
         runs = readings[row["variant"], row["mode"]]
         failed = next((r for r in runs if "error" in r), None)
         if failed is None:
-            failed = _guarded(measure, row, step, runs, dev, args)
+            row["rounds_ms"] = [r["ms"] for r in runs]
+            row["ms"] = statistics.median(row["rounds_ms"])
+            row["p20"], row["p80"] = runs[0]["p20"], runs[0]["p80"]
+            if "power" in runs[0]:
+                row["power"] = runs[0]["power"]
+            failed = _guarded(measure, row, step, dev, args)
         for p in leaves:
             p.grad = None
         if "error" in failed:  # e.g. out of memory on a full card: this row only, the others still run
-            row.update(status="error", error=failed["error"], traceback=failed["traceback"])
+            timed_ms = f"timed ({row['ms']:.3f} ms), then " if "ms" in row else ""
+            row.update(status="error", error=timed_ms + failed["error"], traceback=failed["traceback"])
             print(f"  {row['variant']:28s} {row['mode']:8s} error: {row['error']}", flush=True)
             continue
         print(f"  {row['variant']:28s} {row['mode']:8s} {row['ms']:9.3f} ms  rounds "
@@ -186,13 +192,8 @@ def _guarded(f, *args):
     return {"error": tb.strip().splitlines()[-1][:300], "traceback": tb[-6000:]}
 
 
-def measure(row, step, runs, dev, args):
-    """The row's figures from its timings (``runs``), then its memory, host time and allocator churn."""
-    row["rounds_ms"] = [r["ms"] for r in runs]
-    row["ms"] = statistics.median(row["rounds_ms"])
-    row["p20"], row["p80"] = runs[0]["p20"], runs[0]["p80"]
-    if "power" in runs[0]:
-        row["power"] = runs[0]["power"]
+def measure(row, step, dev, args):
+    """The row's memory, host time and allocator churn, after its timing."""
     fn, v, grads = step
     with config.patch(v.settings):
         row["mem_mb"] = common.peak_mem_mb(fn, dev, grads)

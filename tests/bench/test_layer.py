@@ -74,25 +74,31 @@ def test_counts_must_be_positive(flag, value, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_a_row_that_fails_while_timed_is_an_error_row(tmp_path, monkeypatch):
-    """A variant that fails while timed (out of memory on a full card) gives an error row; the others are timed."""
-    import layer
-
-    timed = layer.timed
-
-    def fails_for_moe_fuse(step, v, *args):
-        if v.base == "moe_fuse":
-            raise RuntimeError("CUDA out of memory (simulated)")
-        return timed(step, v, *args)
-
-    monkeypatch.setattr(layer, "timed", fails_for_moe_fuse)
-    assert layer.main(["--cpu-smoke", "--variants", "inductor,moe_fuse", "--modes", "fwd,fwd+bwd",
-                       "--out", str(tmp_path)]) == 1
+@pytest.mark.parametrize("stage", ["timed", "measure"])
+def test_a_row_that_fails_is_an_error_row(stage, tmp_path, monkeypatch):
+    """A variant that fails while timed, or while its memory is measured after (out of memory on a full card), gives
+    an error row, with its time where it was timed; the other variants' rows are whole."""
     import json
 
+    import layer
+
+    original = getattr(layer, stage)
+
+    def fails_for_moe_fuse(*args):
+        variant = args[1] if stage == "timed" else args[1][1]  # timed(step, v, ...), measure(row, (fn, v, grads), ...)
+        if variant.base == "moe_fuse":
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return original(*args)
+
+    monkeypatch.setattr(layer, stage, fails_for_moe_fuse)
+    assert layer.main(["--cpu-smoke", "--variants", "inductor,moe_fuse", "--modes", "fwd,fwd+bwd",
+                       "--out", str(tmp_path)]) == 1
     rows = {(r["variant"], r["mode"]): r for r in json.loads((tmp_path / "layer_cpu.json").read_text())["rows"]}
     for mode in ("fwd", "fwd+bwd"):
         assert rows["inductor", mode]["status"] == "ok" and rows["inductor", mode]["ms"] > 0
         bad = rows["moe_fuse", mode]
-        assert bad["status"] == "error" and bad["error"] == "RuntimeError: CUDA out of memory (simulated)"
-        assert "ms" not in bad
+        assert bad["status"] == "error" and bad["error"].endswith("RuntimeError: CUDA out of memory (simulated)")
+        if stage == "timed":
+            assert "ms" not in bad and not bad["error"].startswith("timed")
+        else:
+            assert bad["ms"] > 0 and bad["error"].startswith(f"timed ({bad['ms']:.3f} ms), then ")
