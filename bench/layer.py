@@ -7,6 +7,7 @@ forward + backward.
     python bench/layer.py --cpu-smoke       # tiny fp32 block on the CPU, Inductor replaced by aot_eager
     python bench/layer.py --shapes 30b --tokens 1,8,64 --modes fwd \
         --variants inductor,moe_fuse,inductor_graphs,moe_fuse:mode=reduce-overhead     # decode steps
+    python bench/layer.py --shapes 30b --tokens 16384 --modes fwd+bwd --free-gib 8  # a card full of other tensors
 
 Each variant is checked against eager on fresh random inputs, then every (variant, mode) is timed, the rows in
 turn for --rounds rounds (bench/common.py). A variant ``moe_fuse:name=value`` runs under
