@@ -178,9 +178,10 @@ def in_turn(timers: dict, rounds: int) -> dict:
     return out
 
 
-def host_ms(fn: Callable, dev: torch.device, grad_to_none=(), n: int = 10) -> float:
-    """Host ms to issue one call, ``n`` calls issued back to back, timed before the final synchronize. About the
-    step's ms: the step is host-bound (it follows the CPU, not the GPU)."""
+def back_to_back(fn: Callable, dev: torch.device, grad_to_none=(), n: int = 10) -> dict:
+    """``n`` calls issued back to back, no flush or synchronize between them: {"host_ms": the host's time to issue
+    one, timed before the final synchronize (about the step's ms: host-bound), "ms": one call's share of the wall
+    time to the end (the steady rate of steps queued one after another, as a model's layers are)}."""
     for _ in range(3):
         fn()
     sync(dev)
@@ -189,9 +190,9 @@ def host_ms(fn: Callable, dev: torch.device, grad_to_none=(), n: int = 10) -> fl
         for t in grad_to_none:
             t.grad = None
         fn()
-    ms = (time.perf_counter() - t0) * 1e3 / n
+    host = (time.perf_counter() - t0) * 1e3 / n
     sync(dev)
-    return ms
+    return {"host_ms": host, "ms": (time.perf_counter() - t0) * 1e3 / n}
 
 
 def allocator_churn(fn: Callable, dev: torch.device, grad_to_none=(), n: int = 5) -> dict | None:

@@ -201,7 +201,8 @@ def measure(row, step, dev, args):
         if row["mode"] == "fwd-train":
             row["held_mb"] = common.held_mb(fn, dev)
         if dev.type == "cuda" and row["mode"] == "fwd+bwd":
-            row["host_ms"] = common.host_ms(fn, dev, grads)
+            queued = common.back_to_back(fn, dev, grads)
+            row["host_ms"], row["b2b_ms"] = queued["host_ms"], queued["ms"]
             row["churn"] = common.allocator_churn(fn, dev, grads)
             if args.memory_trace:
                 row["peak_sites"] = common.peak_sites(common.record_allocations(fn, dev))
@@ -222,6 +223,8 @@ def derive(rows, peak):
         r["pct_peak"] = 100 * r["tflops"] / peak["tflops"]
         p = peer.get((r["shape"], r["T"], r["mode"]))
         r["x_inductor"] = p["ms"] / r["ms"] if p else None
+        if p and p.get("b2b_ms") and r.get("b2b_ms"):
+            r["x_inductor_b2b"] = p["b2b_ms"] / r["b2b_ms"]
         if p and len(r["rounds_ms"]) > 1:
             r["x_inductor_rounds"] = [a / b for a, b in zip(p["rounds_ms"], r["rounds_ms"])]
 
@@ -234,24 +237,26 @@ def markdown(rows, peak, meta, rounds):
              f"({peak['tflops']:.1f} TFLOP/s). x inductor = Inductor's ms / this ms. err / grad err: relative to "
              f"eager (the output; the worst gradient of x and every parameter). mem: peak MB one call allocates; held: "
              f"what the training forward (fwd-train) holds until its backward, output included; first call: the peak "
-             f"MB of the first call, compiling included. mallocs / retries: cudaMalloc calls and the allocator's "
-             f"free-the-cache-and-retry events per fwd+bwd step (0 in a steady step)."
+             f"MB of the first call, compiling included. queued: one fwd+bwd step's share of 10 issued back to back "
+             f"(no flush, no synchronize between: the rate of layers queued one after another), and Inductor's over "
+             f"it. mallocs / retries: cudaMalloc calls and the allocator's free-the-cache-and-retry events per fwd+bwd "
+             f"step (0 in a steady step)."
              + (f" The card was filled with other tensors to leave {meta['free_gib']} GiB free before each case."
                 if meta.get("free_gib") is not None else ""), ""]
     table = []
     for r in rows:
         if r["status"] == "error":
-            table.append([r["shape"], r["T"], r["mode"], r["variant"], "error", r["error"][:120]] + [None] * 11)
+            table.append([r["shape"], r["T"], r["mode"], r["variant"], "error", r["error"][:120]] + [None] * 13)
             continue
         table.append([r["shape"], r["T"], r["mode"], r["variant"], r["status"], f(r.get("ms"), ".3f"),
                       f(r.get("tflops"), ".1f"), f(r.get("pct_peak"), ".1f"), f(r.get("x_inductor"), ".2f"),
                       f(r.get("mem_mb"), ".0f"), f(r.get("held_mb"), ".0f"), f(r.get("first_call_mb"), ".0f"),
-                      f(r.get("host_ms"), ".3f"),
+                      f(r.get("host_ms"), ".3f"), f(r.get("b2b_ms"), ".3f"), f(r.get("x_inductor_b2b"), ".2f"),
                       _churn(r.get("churn")),
                       f(r.get("compile_s"), ".1f"), f(r.get("err"), ".1e"), f(r.get("grad_err"), ".1e")])
     lines.append(common.md_table(["shape", "T", "mode", "variant", "status", "ms", "TFLOP/s", "% peak",
-                                  "x inductor", "mem MB", "held MB", "first call MB", "host ms", "mallocs / retries", "compile s", "err",
-                                  "grad err"],
+                                  "x inductor", "mem MB", "held MB", "first call MB", "host ms", "queued ms",
+                                  "x inductor queued", "mallocs / retries", "compile s", "err", "grad err"],
                                  table))
     by_round = [r for r in rows if r.get("x_inductor_rounds") and r["variant"] != PEER]
     if by_round:

@@ -39,7 +39,7 @@ def test_rows(run, check_provenance):
 def test_table(run):
     md = run.md()
     assert ("| shape | T | mode | variant | status | ms | TFLOP/s | % peak | x inductor | mem MB | held MB | "
-            "first call MB | host ms | mallocs / retries |") in md
+            "first call MB | host ms | queued ms | x inductor queued | mallocs / retries |") in md
     assert "| tiny | 64 | fwd+bwd | moe_fuse:ragged_min_rows=0 | ok |" in md
     assert "- tiny T=64 fwd+bwd moe_fuse: " in md  # x inductor by round
     assert "moe_fuse rewrites: moe_fuse: grouped_mm_experts, softmax_topk_router" in md
