@@ -199,7 +199,7 @@ def allocator_churn(fn: Callable, dev: torch.device, grad_to_none=(), n: int = 5
     """Per call of ``fn``, over ``n`` calls after warm ones: how often the caching allocator asked the driver for
     memory (``cudaMalloc``) and how often it freed its whole cache to retry a failed request (each retry
     synchronizes the device and frees and re-asks for blocks). Both are 0 in a steady step with room to spare;
-    on a card full of other tensors they are what slows a step (CUDA only)."""
+    where they are not, the step waits on the allocator. CUDA only; None where this torch does not count them."""
     if dev.type != "cuda":
         return None
     for _ in range(2):
@@ -214,8 +214,10 @@ def allocator_churn(fn: Callable, dev: torch.device, grad_to_none=(), n: int = 5
         fn()
     sync(dev)
     after = torch.cuda.memory_stats(dev)
-    return {name: (after.get(key, 0) - before.get(key, 0)) / n
-            for name, key in (("mallocs", "num_device_alloc"), ("retries", "num_alloc_retries"))}
+    keys = {"mallocs": "num_device_alloc", "retries": "num_alloc_retries"}
+    if not all(key in after for key in keys.values()):
+        return None
+    return {name: (after[key] - before[key]) / n for name, key in keys.items()}
 
 
 def available_bytes(dev: torch.device) -> int:

@@ -92,8 +92,9 @@ def run_case(shape, T, dev, dtype, args, rows):
     xg = x.clone().requires_grad_()
     leaves = [xg] + params
     # --free-gib: the rest of the card taken by other tensors, as a training job's weights and optimizer state
-    fill = common.fill_device(dev, args.free_gib) if args.free_gib is not None and dev.type == "cuda" else []
-    if fill:
+    fill = []
+    if args.free_gib is not None and dev.type == "cuda":
+        fill = common.fill_device(dev, args.free_gib)
         print(f"  filled {sum(t.numel() for t in fill) / 2**30:.1f} GiB; "
               f"{common.available_bytes(dev) / 2**30:.1f} GiB free", flush=True)
     case_rows, rewritten = [], {}
