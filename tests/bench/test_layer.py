@@ -102,3 +102,22 @@ def test_a_row_that_fails_is_an_error_row(stage, tmp_path, monkeypatch):
             assert "ms" not in bad and not bad["error"].startswith("timed")
         else:
             assert bad["ms"] > 0 and bad["error"].startswith(f"timed ({bad['ms']:.3f} ms), then ")
+
+
+def test_queued_ratio_and_allocator_columns():
+    """The GPU-only figures (queued ms, mallocs / retries) reach the ratio and the table."""
+    import layer
+
+    def row(variant, ms, b2b):
+        return dict(shape="30b", T=4096, mode="fwd+bwd", variant=variant, status="ok", flops=10**12, ms=ms,
+                    rounds_ms=[ms], host_ms=1.0, b2b_ms=b2b, churn={"mallocs": 0.0, "retries": 0.5})
+
+    rows = [row("inductor", 3.5, 3.6), row("moe_fuse", 2.9, 2.8)]
+    peak = {"n": 8192, "tflops": 700.0}
+    layer.derive(rows, peak)
+    assert rows[1]["x_inductor_b2b"] == 3.6 / 2.8 and rows[0]["x_inductor_b2b"] == 1.0
+    md = layer.markdown(rows, peak, {"dtype": "bfloat16", "free_gib": 8.0, "gpu": "H100", "commit": "c",
+                                     "source_sha": "s", "torch": "t", "triton": "t", "transformers": "t",
+                                     "command": "c"}, 1)
+    assert "| 1.000 | 2.800 | 1.29 | 0 / 0.5 |" in md
+    assert "to leave 8.0 GiB free before each case" in md
